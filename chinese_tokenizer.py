@@ -1,0 +1,149 @@
+"""The Chinese tokenizer every stage shares, and the one chat template.
+
+The tokenizer is ``transformers.BertTokenizerFast`` over the exact bert-base-chinese vocabulary (21128 ids), the
+vocabulary of ``uer/gpt2-chinese-cluecorpussmall``, so our checkpoints and those public weights are interchangeable.
+
+Two changes make text survive an encode/decode round trip, without growing the vocabulary:
+
+* whitespace that BERT's normaliser would throw away (newline, space, tab, the ideographic space U+3000) takes
+  the ids of the reserved slots ``[unused1]`` .. ``[unused4]``; the slots are renamed to the characters
+  themselves and registered as added tokens, so the saved ``tokenizer.json`` encodes them the same way when it is
+  loaded with ``AutoTokenizer``;
+* the decoder concatenates word pieces (dropping the ``##`` continuation mark) instead of joining every token
+  with a space, so decode puts no spaces between CJK characters, and spaces between Latin words come back because
+  they were encoded as tokens.
+
+What still does not round-trip, by design of the vocabulary: upper case (BERT-Chinese is lower-cased), accents,
+and characters outside the vocabulary (they become ``[UNK]``).
+
+Special ids: ``[PAD]=0``, ``[UNK]=100``, ``[CLS]=101`` starts a sequence, ``[SEP]=102`` ends a document or a turn
+and is the ``eos_id``; ``[unused5]`` is renamed ``[ANS]`` and separates a prompt from its response.
+"""
+
+from __future__ import annotations
+
+import os
+
+from tokenizers import AddedToken, decoders
+from transformers import BertTokenizerFast
+
+VOCAB_SIZE = 21128
+PAD_ID, UNK_ID, CLS_ID, SEP_ID = 0, 100, 101, 102
+EOS_ID = SEP_ID
+
+# reserved vocabulary slot -> what it stands for
+WHITESPACE_SLOTS = {"[unused1]": "\n", "[unused2]": " ", "[unused3]": "\t", "[unused4]": "\u3000"}
+ANSWER_SLOT, ANSWER_TOKEN = "[unused5]", "[ANS]"
+ANSWER_ID = 5
+
+
+class TokenizerError(ValueError):
+    """The tokenizer files are missing or are not the 21128-id BERT-Chinese vocabulary."""
+
+
+def build_tokenizer(vocab_file: str) -> BertTokenizerFast:
+    """Build the project tokenizer from a bert-base-chinese ``vocab.txt`` (one token per line).
+
+    Raises:
+        TokenizerError: the file is missing or does not hold exactly ``VOCAB_SIZE`` tokens.
+    """
+    if not os.path.isfile(vocab_file):
+        raise TokenizerError(f"vocabulary file {vocab_file} not found; run `python data/prepare.py` to fetch it")
+    with open(vocab_file, encoding="utf-8") as f:
+        tokens = f.read().split("\n")
+    if tokens and tokens[-1] == "":
+        tokens.pop()
+    if len(tokens) != VOCAB_SIZE:
+        raise TokenizerError(f"{vocab_file} holds {len(tokens)} tokens, expected the {VOCAB_SIZE} of bert-base-chinese")
+    renames = {**WHITESPACE_SLOTS, ANSWER_SLOT: ANSWER_TOKEN}
+    # An explicit vocab dict: in transformers 5.x, BertTokenizer(vocab_file=...) silently builds a 5-token vocab.
+    vocab = {renames.get(tok, tok): i for i, tok in enumerate(tokens)}
+    tokenizer = BertTokenizerFast(vocab=vocab, do_lower_case=True, tokenize_chinese_chars=True)
+    tokenizer.add_tokens([AddedToken(ch, normalized=False, special=False) for ch in WHITESPACE_SLOTS.values()])
+    tokenizer.add_special_tokens({"additional_special_tokens": [ANSWER_TOKEN]})
+    _check(tokenizer, vocab_file)
+    return _with_concatenating_decoder(tokenizer)
+
+
+def load_tokenizer(path: str) -> BertTokenizerFast:
+    """Load the tokenizer from a directory written by ``save_pretrained`` or holding a plain ``vocab.txt``.
+
+    Raises:
+        TokenizerError: nothing loadable there, or the vocabulary is not the project's.
+    """
+    if os.path.isfile(os.path.join(path, "tokenizer.json")):
+        tokenizer = BertTokenizerFast.from_pretrained(path)
+        _check(tokenizer, path)
+        return _with_concatenating_decoder(tokenizer)
+    if os.path.isfile(os.path.join(path, "vocab.txt")):
+        return build_tokenizer(os.path.join(path, "vocab.txt"))
+    raise TokenizerError(f"no tokenizer in {path}; run `python data/prepare.py` (it writes data/tokenizer/)")
+
+
+def _check(tokenizer: BertTokenizerFast, where: str) -> None:
+    if len(tokenizer) != VOCAB_SIZE:
+        raise TokenizerError(f"tokenizer at {where} has {len(tokenizer)} ids, expected {VOCAB_SIZE}")
+    ids = tokenizer.convert_tokens_to_ids(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "\n", ANSWER_TOKEN])
+    if ids != [PAD_ID, UNK_ID, CLS_ID, SEP_ID, 1, ANSWER_ID]:
+        raise TokenizerError(f"tokenizer at {where} is not the project's BERT-Chinese vocabulary (special ids {ids})")
+
+
+def _with_concatenating_decoder(tokenizer: BertTokenizerFast) -> BertTokenizerFast:
+    # BERT's WordPiece decoder joins tokens with spaces ("你 好"); ours glues pieces, dropping "##".
+    tokenizer.backend_tokenizer.decoder = decoders.Sequence([decoders.Replace("##", ""), decoders.Fuse()])
+    tokenizer.clean_up_tokenization_spaces = False
+    return tokenizer
+
+
+def normalize_text(text: str) -> str:
+    """Line endings to ``\\n`` (CRLF and CR); everything else is left to the tokenizer."""
+    return text.replace("\r\n", "\n").replace("\r", "\n")
+
+
+def encode(text: str, tokenizer: BertTokenizerFast, add_special_tokens: bool = False) -> list[int]:
+    """Text -> ids. No ``[CLS]``/``[SEP]`` unless ``add_special_tokens``."""
+    return tokenizer.encode(normalize_text(text), add_special_tokens=add_special_tokens)
+
+
+def decode(ids, tokenizer: BertTokenizerFast, skip_special_tokens: bool = True) -> str:
+    """Ids (list or 1-D tensor) -> text; special tokens dropped unless asked. ``[UNK]`` stays visible."""
+    if hasattr(ids, "tolist"):
+        ids = ids.tolist()
+    if skip_special_tokens:
+        ids = [i for i in ids if i not in (PAD_ID, CLS_ID, SEP_ID, ANSWER_ID, 103)]
+    return tokenizer.decode(ids, skip_special_tokens=False)
+
+
+def chat_prompt_ids(prompt: str, tokenizer: BertTokenizerFast) -> list[int]:
+    """The prompt half of the chat template: ``[CLS] prompt [ANS]``; the model continues with the response."""
+    return [CLS_ID] + encode(prompt, tokenizer) + [ANSWER_ID]
+
+
+def apply_chat_template(
+    prompt: str, response: str, tokenizer: BertTokenizerFast, max_length: int | None = None
+) -> tuple[list[int], list[int], bool]:
+    """Turn one (prompt, response) pair into ids and a mask of the response positions.
+
+    Layout: ``[CLS] prompt [ANS] response [SEP]``. ``response_mask[i] == 1`` where ``input_ids[i]`` belongs to the
+    response (its tokens and the closing ``[SEP]``, which is what the model must learn to emit). If the pair is
+    longer than ``max_length``, the prompt is cut from its left (the end of the prompt, nearest to the answer,
+    matters most); if even the response alone does not fit, the response is cut from its right.
+
+    Returns:
+        ``(input_ids, response_mask, truncated)``: two lists of equal length L <= max_length, and whether anything
+        was cut.
+    """
+    prompt_ids = encode(prompt, tokenizer)
+    response_ids = encode(response, tokenizer) + [SEP_ID]
+    truncated = False
+    if max_length is not None:
+        room = max_length - 2  # [CLS] and [ANS]
+        if len(response_ids) > room - 1:  # keep at least one prompt token
+            response_ids = response_ids[: max(room - 1, 1)]
+            truncated = True
+        if len(prompt_ids) + len(response_ids) > room:
+            prompt_ids = prompt_ids[len(prompt_ids) + len(response_ids) - room:]
+            truncated = True
+    input_ids = [CLS_ID] + prompt_ids + [ANSWER_ID] + response_ids
+    response_mask = [0] * (len(prompt_ids) + 2) + [1] * len(response_ids)
+    return input_ids, response_mask, truncated
