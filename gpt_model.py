@@ -1,0 +1,545 @@
+"""A GPT-2 written by hand in PyTorch: the model every stage of this project trains, and ``generate``.
+
+The architecture is GPT-2's (Radford et al. 2019, "Language Models are Unsupervised Multitask Learners"):
+token + learned position embeddings, ``n_layers`` pre-LayerNorm Transformer blocks (causal multi-head attention
+and a 4x GELU feed-forward, each inside a residual connection), a final LayerNorm and a linear head over the
+vocabulary. Names follow the walkthrough in ``notes/gpt_model.md`` (``W_query``, ``out_proj``, ``trf_blocks`` ...),
+so the weights of OpenAI's GPT-2 and of uer/gpt2-chinese-cluecorpussmall map one to one (see ``load_weight.py``).
+
+Shapes in comments: B batch, T tokens, E ``emb_dim``, V vocabulary, H heads, d_h = E / H head dimension.
+
+Options beyond GPT-2, off by default: RMSNorm instead of LayerNorm (Zhang & Sennrich 2019) and rotary position
+embeddings (Su et al. 2021, "RoFormer") instead of the learned position table.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, replace
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+@dataclass(frozen=True)
+class GPTConfig:
+    """Model hyper-parameters. The first seven fields are the seed walkthrough's ``cfg`` keys."""
+
+    vocab_size: int = 21128  # bert-base-chinese vocabulary
+    context_length: int = 256  # rows of the position table: the longest sequence the model can read
+    emb_dim: int = 256
+    n_heads: int = 4
+    n_layers: int = 4
+    drop_rate: float = 0.1
+    qkv_bias: bool = False  # GPT-2 and uer checkpoints have q/k/v biases; training from scratch does not need them
+    tie_embeddings: bool = True  # the output head reuses the token embedding matrix (as GPT-2 does)
+    layer_norm_eps: float = 1e-5
+    norm: str = "layernorm"  # or "rmsnorm"
+    position_embedding: str = "learned"  # or "rope"
+    attention: str = "sdpa"  # fused torch kernel; "math" runs the explicit softmax(QK^T/sqrt(d_h))V reference
+
+    def __post_init__(self):
+        if self.emb_dim % self.n_heads != 0:
+            raise ValueError(f"emb_dim={self.emb_dim} must be divisible by n_heads={self.n_heads}")
+        for name in ("vocab_size", "context_length", "emb_dim", "n_heads", "n_layers"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if not 0.0 <= self.drop_rate < 1.0:
+            raise ValueError(f"drop_rate must be in [0, 1), got {self.drop_rate}")
+        if self.norm not in ("layernorm", "rmsnorm"):
+            raise ValueError(f"norm must be 'layernorm' or 'rmsnorm', got {self.norm!r}")
+        if self.position_embedding not in ("learned", "rope"):
+            raise ValueError(f"position_embedding must be 'learned' or 'rope', got {self.position_embedding!r}")
+        if self.position_embedding == "rope" and (self.emb_dim // self.n_heads) % 2:
+            raise ValueError("rope needs an even head dimension (emb_dim / n_heads)")
+        if self.attention not in ("sdpa", "math"):
+            raise ValueError(f"attention must be 'sdpa' or 'math', got {self.attention!r}")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "GPTConfig":
+        """Build from a dict (e.g. a checkpoint's config.json); unknown keys raise ``ValueError``."""
+        unknown = set(d) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"unknown GPTConfig fields: {sorted(unknown)}")
+        return cls(**d)
+
+    def replace(self, **changes) -> "GPTConfig":
+        return replace(self, **changes)
+
+
+# Named sizes. "demo" trains in minutes on 2 CPU cores; "gpt2-zh-small" is the seed's 12x768 model with a 256
+# context; "uer-gpt2-chinese" is the shape of uer/gpt2-chinese-cluecorpussmall (load its weights with load_weight.py).
+PRESETS = {
+    "tiny": GPTConfig(context_length=64, emb_dim=32, n_heads=2, n_layers=2, drop_rate=0.0),  # tests
+    "demo": GPTConfig(context_length=256, emb_dim=256, n_heads=4, n_layers=4, drop_rate=0.1),
+    "gpt2-zh-small": GPTConfig(context_length=256, emb_dim=768, n_heads=12, n_layers=12, drop_rate=0.1,
+                               tie_embeddings=False),
+    "uer-gpt2-chinese": GPTConfig(context_length=1024, emb_dim=768, n_heads=12, n_layers=12, drop_rate=0.1,
+                                  qkv_bias=True),
+}
+
+
+def get_preset(name: str) -> GPTConfig:
+    """The ``GPTConfig`` of a named preset. Raises ``ValueError`` naming the choices."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(PRESETS)}")
+    return PRESETS[name]
+
+
+class LayerNorm(nn.Module):
+    """Layer normalisation over the last dimension with a learned ``scale`` and ``shift`` (Ba et al. 2016).
+
+    Uses the biased variance (divide by E), as GPT-2 does. ``forward`` runs PyTorch's fused kernel;
+    ``reference`` is the same formula written out, kept for the notes and the tests.
+    """
+
+    def __init__(self, emb_dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.scale = nn.Parameter(torch.ones(emb_dim))
+        self.shift = nn.Parameter(torch.zeros(emb_dim))
+
+    def forward(self, x):  # (..., E) -> (..., E)
+        return F.layer_norm(x, self.scale.shape, self.scale, self.shift, self.eps)
+
+    def reference(self, x):
+        mean = x.mean(dim=-1, keepdim=True)  # (..., 1)
+        var = x.var(dim=-1, keepdim=True, unbiased=False)  # (..., 1)
+        norm_x = (x - mean) / torch.sqrt(var + self.eps)  # (..., E)
+        return self.scale * norm_x + self.shift
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square normalisation (Zhang & Sennrich 2019): no mean subtraction, a learned ``scale`` only."""
+
+    def __init__(self, emb_dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.scale = nn.Parameter(torch.ones(emb_dim))
+
+    def forward(self, x):  # (..., E) -> (..., E)
+        rms = torch.sqrt(x.pow(2).mean(dim=-1, keepdim=True) + self.eps)  # (..., 1)
+        return self.scale * (x / rms)
+
+
+class GELU(nn.Module):
+    """GELU with GPT-2's tanh approximation (Hendrycks & Gimpel 2016): 0.5x(1 + tanh(sqrt(2/pi)(x + 0.044715x^3)))."""
+
+    def forward(self, x):
+        return F.gelu(x, approximate="tanh")  # the fused kernel of ``reference``
+
+    @staticmethod
+    def reference(x):
+        return 0.5 * x * (1 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3))))
+
+
+class FeedForward(nn.Module):
+    """Position-wise MLP: E -> 4E -> GELU -> E."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.layers = nn.Sequential(
+            nn.Linear(cfg.emb_dim, 4 * cfg.emb_dim),
+            GELU(),
+            nn.Linear(4 * cfg.emb_dim, cfg.emb_dim),
+        )
+
+    def forward(self, x):  # (B, T, E) -> (B, T, 4E) -> (B, T, E)
+        return self.layers(x)
+
+
+def attention_reference(queries, keys, values, visible=None, dropout=None):
+    """Scaled dot-product attention written out: softmax(Q K^T / sqrt(d_h) + mask) V (Vaswani et al. 2017).
+
+    Args:
+        queries: (B, H, Tq, d_h); keys, values: (B, H, Tk, d_h).
+        visible: optional mask broadcastable to (B, H, Tq, Tk): a bool tensor (True = may attend) or an additive
+            float tensor (0 or -inf, or any bias). None means every key is visible.
+    Returns:
+        (B, H, Tq, d_h). A query row with no visible key returns zeros instead of NaN.
+    """
+    scores = queries @ keys.transpose(-2, -1) / math.sqrt(queries.shape[-1])  # (B, H, Tq, Tk)
+    if visible is not None:
+        if visible.dtype == torch.bool:
+            scores = scores.masked_fill(~visible, float("-inf"))
+        else:
+            scores = scores + visible
+    fully_masked = torch.isneginf(scores).all(dim=-1, keepdim=True)  # (B, H, Tq, 1)
+    weights = torch.softmax(scores.masked_fill(fully_masked, 0.0), dim=-1)
+    weights = weights.masked_fill(fully_masked, 0.0)  # softmax of an all -inf row would be NaN
+    if dropout is not None:
+        weights = dropout(weights)
+    return weights @ values  # (B, H, Tq, d_h)
+
+
+def rope_angles(head_dim: int, positions, base: float = 10000.0):
+    """cos and sin of the rotary angles theta_i * m for integer positions m (Su et al. 2021).
+
+    positions: (B, T) long -> cos, sin: (B, 1, T, d_h / 2), broadcastable over heads.
+    """
+    theta = base ** (-torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
+    angles = positions.to(torch.float32)[:, None, :, None] * theta  # (B, 1, T, d_h/2)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x, cos, sin):
+    """Rotate each adjacent pair of dimensions (2i, 2i+1) of x: (B, H, T, d_h) by its position's angle."""
+    x1, x2 = x[..., 0::2].float(), x[..., 1::2].float()  # (B, H, T, d_h/2)
+    rotated = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)  # (B, H, T, d_h/2, 2)
+    return rotated.flatten(-2).to(x.dtype)  # (B, H, T, d_h)
+
+
+class KVCache:
+    """Keys and values of every layer for the tokens seen so far, preallocated to ``max_len`` positions.
+
+    Each decoding step writes its new keys/values in place instead of concatenating, so a step's cost does not
+    grow with the copies of earlier steps. ``length`` is the number of positions filled.
+    """
+
+    def __init__(self, cfg: GPTConfig, batch_size: int, max_len: int):
+        self.shape = (cfg.n_layers, batch_size, cfg.n_heads, max_len, cfg.emb_dim // cfg.n_heads)
+        self.keys = self.values = None  # (L, B, H, max_len, d_h), allocated on first use in the keys' dtype
+        self.length = 0
+
+    @property
+    def max_len(self) -> int:
+        return self.shape[3]
+
+    def update(self, layer: int, keys, values):
+        """Store (B, H, T, d_h) new keys/values after the cached ones; return all of them, (B, H, length+T, d_h)."""
+        start, end = self.length, self.length + keys.shape[2]
+        if end > self.max_len:
+            raise ValueError(f"KV cache holds {self.max_len} positions; cannot add {keys.shape[2]} after {start}")
+        if self.keys is None:  # under autocast the projections may be bf16: store what they produce
+            self.keys = torch.zeros(self.shape, device=keys.device, dtype=keys.dtype)
+            self.values = torch.zeros(self.shape, device=keys.device, dtype=keys.dtype)
+        self.keys[layer, :, :, start:end] = keys
+        self.values[layer, :, :, start:end] = values
+        return self.keys[layer, :, :, :end], self.values[layer, :, :, :end]
+
+
+class MultiHeadAttention(nn.Module):
+    """Causal multi-head self-attention with separate query/key/value projections (the seed's names)."""
+
+    def __init__(self, d_in, d_out, context_length, dropout, num_heads, qkv_bias=False, cfg: GPTConfig = None):
+        super().__init__()
+        assert d_out % num_heads == 0, "d_out must be divisible by n_heads"
+        self.d_out = d_out
+        self.num_heads = num_heads
+        self.head_dim = d_out // num_heads
+        self.W_query = nn.Linear(d_in, d_out, bias=qkv_bias)
+        self.W_key = nn.Linear(d_in, d_out, bias=qkv_bias)
+        self.W_value = nn.Linear(d_in, d_out, bias=qkv_bias)
+        self.out_proj = nn.Linear(d_out, d_out)
+        self.dropout = nn.Dropout(dropout)
+        self.use_sdpa = cfg is None or cfg.attention == "sdpa"
+        self.use_rope = cfg is not None and cfg.position_embedding == "rope"
+
+    def forward(self, x, visible=None, rope=None, cache: KVCache | None = None, layer: int = 0):
+        """Attend from each position of x to itself and the positions before it.
+
+        Args:
+            x: (B, T, E) hidden states of the new tokens.
+            visible: None for a plain causal pass, else a bool mask (B, 1, T, Tk) where True means "may attend";
+                Tk counts cached positions plus the T new ones.
+            rope: (cos, sin) for the new positions when rotary embeddings are on.
+            cache: keys/values of earlier positions; the new ones are written into it.
+        Returns:
+            (B, T, E).
+        """
+        b, num_tokens, _ = x.shape  # (B, T, E)
+        queries = self.W_query(x).view(b, num_tokens, self.num_heads, self.head_dim).transpose(1, 2)  # (B, H, T, d_h)
+        keys = self.W_key(x).view(b, num_tokens, self.num_heads, self.head_dim).transpose(1, 2)  # (B, H, T, d_h)
+        values = self.W_value(x).view(b, num_tokens, self.num_heads, self.head_dim).transpose(1, 2)  # (B, H, T, d_h)
+        if self.use_rope:
+            queries, keys = apply_rope(queries, *rope), apply_rope(keys, *rope)
+        if cache is not None:
+            keys, values = cache.update(layer, keys, values)  # (B, H, Tk, d_h)
+
+        causal_only = visible is None and keys.shape[2] == num_tokens
+        if visible is None and num_tokens > 1 and not causal_only:
+            # several new tokens after cached ones, no padding: causal among the new, all cached keys visible
+            visible = causal_mask(num_tokens, keys.shape[2], x.device)
+        if self.use_sdpa:
+            context = F.scaled_dot_product_attention(
+                queries, keys, values, attn_mask=visible, is_causal=causal_only,
+                dropout_p=self.dropout.p if self.training else 0.0)  # (B, H, T, d_h)
+        else:
+            if causal_only:
+                visible = causal_mask(num_tokens, num_tokens, x.device)
+            context = attention_reference(queries, keys, values, visible, self.dropout)  # (B, H, T, d_h)
+        context = context.transpose(1, 2).reshape(b, num_tokens, self.d_out)  # (B, T, E)
+        return self.out_proj(context)  # (B, T, E)
+
+
+def causal_mask(num_queries: int, num_keys: int, device=None):
+    """Bool (Tq, Tk): query i (the i-th of the last Tq positions) may attend key j iff j <= i + (Tk - Tq)."""
+    return torch.ones(num_queries, num_keys, dtype=torch.bool, device=device).tril(diagonal=num_keys - num_queries)
+
+
+class TransformerBlock(nn.Module):
+    """Pre-LN block: x + Dropout(Attention(Norm(x))), then x + Dropout(FeedForward(Norm(x)))."""
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.att = MultiHeadAttention(
+            d_in=cfg.emb_dim, d_out=cfg.emb_dim, context_length=cfg.context_length, dropout=cfg.drop_rate,
+            num_heads=cfg.n_heads, qkv_bias=cfg.qkv_bias, cfg=cfg)
+        self.ff = FeedForward(cfg)
+        norm = RMSNorm if cfg.norm == "rmsnorm" else LayerNorm
+        self.norm1 = norm(cfg.emb_dim, cfg.layer_norm_eps)
+        self.norm2 = norm(cfg.emb_dim, cfg.layer_norm_eps)
+        self.drop_resid = nn.Dropout(cfg.drop_rate)
+
+    def forward(self, x, visible=None, rope=None, cache=None, layer=0):  # (B, T, E) -> (B, T, E)
+        x = x + self.drop_resid(self.att(self.norm1(x), visible, rope, cache, layer))  # (B, T, E)
+        x = x + self.drop_resid(self.ff(self.norm2(x)))  # (B, T, E)
+        return x
+
+
+class GPTModel(nn.Module):
+    """The GPT-2 language model.
+
+    ``forward(input_ids, attention_mask=None, past_key_values=None, use_cache=False)`` returns a dict with
+    ``"logits"`` (B, T, V) and ``"last_hidden_state"`` (B, T, E), plus ``"past_key_values"`` (a ``KVCache``) when
+    ``use_cache`` is set.
+
+    ``attention_mask`` (B, T_past + T) marks real tokens with 1 and padding with 0, left or right. Positions are
+    counted from each row's first real token, so a padded row gives the same outputs at its real positions as the
+    same sequence alone.
+    """
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.emb_dim)
+        self.pos_emb = nn.Embedding(cfg.context_length, cfg.emb_dim) if cfg.position_embedding == "learned" else None
+        self.drop_emb = nn.Dropout(cfg.drop_rate)
+        self.trf_blocks = nn.ModuleList([TransformerBlock(cfg) for _ in range(cfg.n_layers)])
+        self.final_norm = (RMSNorm if cfg.norm == "rmsnorm" else LayerNorm)(cfg.emb_dim, cfg.layer_norm_eps)
+        self.out_head = nn.Linear(cfg.emb_dim, cfg.vocab_size, bias=False)
+        self.apply(self._init_weights)
+        for name, p in self.named_parameters():
+            if name.endswith("out_proj.weight") or name.endswith("layers.2.weight"):
+                # GPT-2: scale the residual-branch outputs by 1/sqrt(2 * n_layers) so the sum stays O(1)
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layers))
+        if cfg.tie_embeddings:
+            self.out_head.weight = self.tok_emb.weight
+
+    @staticmethod
+    def _init_weights(module):
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def hidden_states(self, input_ids, attention_mask=None, past_key_values: KVCache | None = None,
+                      use_cache: bool = False):
+        """Everything but the output head: (B, T) ids -> ((B, T, E) final-normed states, cache or None).
+
+        Raises ``ValueError`` when positions would run past ``context_length``.
+        """
+        batch_size, seq_len = input_ids.shape  # (B, T)
+        past_len = past_key_values.length if past_key_values is not None else 0
+        if attention_mask is not None and attention_mask.shape != (batch_size, past_len + seq_len):
+            raise ValueError(f"attention_mask has shape {tuple(attention_mask.shape)}, expected "
+                             f"{(batch_size, past_len + seq_len)} (cached + new tokens)")
+        if attention_mask is None or bool(attention_mask.all()):
+            positions = torch.arange(past_len, past_len + seq_len, device=input_ids.device).expand(batch_size, -1)
+            visible = None  # plain causal attention: the fused kernel's fastest path
+        else:
+            mask = attention_mask.bool()
+            positions = (mask.long().cumsum(dim=1) - 1).clamp(min=0)[:, past_len:]  # (B, T)
+            visible = causal_mask(seq_len, past_len + seq_len, input_ids.device)[None] & mask[:, None, :]
+            # a padding query sees no real key; let it see itself so no softmax row is empty (its output is unused)
+            own = torch.zeros_like(visible)
+            own[:, torch.arange(seq_len), torch.arange(past_len, past_len + seq_len)] = True
+            visible = (visible | own)[:, None]  # (B, 1, T, T_past + T)
+        if int(positions.max()) >= self.cfg.context_length:
+            raise ValueError(f"position {int(positions.max())} is past the model's context_length "
+                             f"{self.cfg.context_length}; keep at most the last {self.cfg.context_length} tokens")
+
+        x = self.tok_emb(input_ids)  # (B, T, E)
+        rope = None
+        if self.pos_emb is not None:
+            x = x + self.pos_emb(positions)  # (B, T, E)
+        else:
+            rope = rope_angles(self.cfg.emb_dim // self.cfg.n_heads, positions)
+        x = self.drop_emb(x)  # (B, T, E)
+
+        cache = past_key_values
+        if use_cache and cache is None:
+            cache = KVCache(self.cfg, batch_size, self.cfg.context_length)
+        for layer, block in enumerate(self.trf_blocks):
+            x = block(x, visible, rope, cache, layer)  # (B, T, E)
+        if cache is not None:
+            cache.length += seq_len
+        return self.final_norm(x), cache  # (B, T, E)
+
+    def forward(self, input_ids, attention_mask=None, past_key_values: KVCache | None = None, use_cache=False):
+        last_hidden_state, cache = self.hidden_states(input_ids, attention_mask, past_key_values, use_cache)
+        logits = self.out_head(last_hidden_state)  # (B, T, V)
+        out = {"logits": logits, "last_hidden_state": last_hidden_state}
+        if use_cache:
+            out["past_key_values"] = cache
+        return out
+
+
+def next_token_loss(logits, labels):
+    """Mean cross-entropy of ``logits`` (B, T, V) against ``labels`` (B, T), already shifted so that
+    ``labels[:, t]`` is the token that should follow position t; label -100 is ignored. Computed in float32."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
+
+
+class ScalarHead(nn.Module):
+    """``Linear(emb_dim, 1)``: one number per position, for reward and value models. (B, T, E) -> (B, T)."""
+
+    def __init__(self, emb_dim: int):
+        super().__init__()
+        self.linear = nn.Linear(emb_dim, 1)
+        nn.init.normal_(self.linear.weight, std=1.0 / math.sqrt(emb_dim + 1))
+        nn.init.zeros_(self.linear.bias)
+
+    def forward(self, hidden):
+        return self.linear(hidden).squeeze(-1)
+
+
+def last_real_index(attention_mask):
+    """(B, T) 0/1 mask -> (B,) index of each row's last 1 (works for left and right padding)."""
+    t = attention_mask.shape[1]
+    return t - 1 - attention_mask.flip(dims=[1]).long().argmax(dim=1)
+
+
+class RewardModel(nn.Module):
+    """A ``GPTModel`` backbone with a ``ScalarHead`` on ``last_hidden_state``.
+
+    As a reward model (InstructGPT, Ouyang et al. 2022) it scores a whole sequence by the head's value at the
+    sequence's last real token; as a PPO critic the per-position ``values`` are the value estimates.
+    ``forward(input_ids, attention_mask)`` -> {"values": (B, T), "rewards": (B,)}.
+    """
+
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.backbone = GPTModel(cfg)
+        self.head = ScalarHead(cfg.emb_dim)
+
+    def forward(self, input_ids, attention_mask=None):
+        if attention_mask is None:
+            attention_mask = torch.ones_like(input_ids)
+        hidden, _ = self.backbone.hidden_states(input_ids, attention_mask)  # (B, T, E)
+        values = self.head(hidden)  # (B, T)
+        rewards = values.gather(1, last_real_index(attention_mask)[:, None]).squeeze(1)  # (B,)
+        return {"values": values, "rewards": rewards}
+
+
+def filter_logits(logits, top_k=None, top_p=None):
+    """Keep the ``top_k`` highest logits and/or the smallest set whose probability reaches ``top_p``
+    (nucleus sampling, Holtzman et al. 2019); the rest become -inf. (B, V) -> (B, V).
+
+    ``top_k`` larger than V is clamped to V; ``top_k`` < 1 or ``top_p`` outside (0, 1] raises ``ValueError``.
+    """
+    if top_k is not None:
+        if top_k < 1:
+            raise ValueError(f"top_k must be >= 1, got {top_k}")
+        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]  # (B, 1)
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None:
+        if not 0.0 < top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)  # (B, V)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # drop a token when the tokens ranked above it already reach top_p (the first token always stays)
+        drop_sorted = (probs.cumsum(dim=-1) - probs) >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+def apply_repetition_penalty(logits, idx, penalty: float):
+    """Make tokens already in ``idx`` (B, T) less likely (Keskar et al. 2019, CTRL): a positive logit is divided by
+    ``penalty``, a negative one multiplied. (B, V) -> (B, V)."""
+    seen = torch.gather(logits, 1, idx)
+    seen = torch.where(seen > 0, seen / penalty, seen * penalty)
+    return logits.scatter(1, idx, seen)
+
+
+@torch.no_grad()
+def generate(model, idx, max_new_tokens, context_size, temperature=0.0, top_k=None, top_p=None, eos_id=None,
+             attention_mask=None, repetition_penalty=1.0, stream=None):
+    """Continue each row of ``idx`` (B, T) by up to ``max_new_tokens`` tokens; returns (B, T + n) LongTensor.
+
+    Greedy when ``temperature == 0``, else samples from softmax(logits / temperature) after ``top_k``/``top_p``
+    filtering (using torch's global RNG: seed it for repeatable samples). Runs with the KV cache while the
+    sequence fits in ``context_size`` positions; past that it slides a window over the last ``context_size``
+    tokens (recomputing the window each step, as the walkthrough's cache-less loop would). A prompt longer than
+    ``context_size`` keeps its last ``context_size`` tokens.
+
+    Rows of different lengths go in one batch left-padded, with ``attention_mask`` (B, T) marking real tokens;
+    each row gets what it would get alone. When ``eos_id`` is given, a row that emits it is finished and is
+    filled with ``eos_id`` while the others go on; the loop ends when all rows are finished. ``stream``, if
+    given, is called with each new (B,) column of tokens. Dropout is off while generating (the model's
+    train/eval mode is restored at the end).
+
+    Raises:
+        ValueError: negative ``temperature``, ``repetition_penalty`` <= 0, or bad ``top_k``/``top_p``.
+    """
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0 (0 means greedy), got {temperature}")
+    if repetition_penalty <= 0:
+        raise ValueError(f"repetition_penalty must be > 0, got {repetition_penalty}")
+    was_training = model.training
+    model.eval()
+    if attention_mask is None:
+        attention_mask = torch.ones_like(idx)
+    finished = torch.zeros(idx.shape[0], dtype=torch.bool, device=idx.device)
+    cache, logits = None, None
+    for _ in range(max_new_tokens):
+        if logits is None:
+            # a full pass over the last context_size tokens; keep its keys/values while later steps still fit
+            window, window_mask = idx[:, -context_size:], attention_mask[:, -context_size:]
+            out = model(window, attention_mask=window_mask, use_cache=idx.shape[1] < context_size)
+            cache, logits = out.get("past_key_values"), out["logits"][:, -1, :]  # (B, V)
+        logits = logits.float()
+        if repetition_penalty != 1.0:
+            logits = apply_repetition_penalty(logits, idx, repetition_penalty)
+        if temperature == 0.0:
+            next_ids = logits.argmax(dim=-1)  # (B,)
+        else:
+            probs = torch.softmax(filter_logits(logits / temperature, top_k, top_p), dim=-1)  # (B, V)
+            next_ids = torch.multinomial(probs, num_samples=1).squeeze(1)  # (B,)
+        if eos_id is not None:
+            next_ids = next_ids.masked_fill(finished, eos_id)
+            finished |= next_ids == eos_id
+        idx = torch.cat((idx, next_ids[:, None]), dim=1)  # (B, T + 1)
+        attention_mask = torch.cat((attention_mask, torch.ones_like(attention_mask[:, :1])), dim=1)
+        if stream is not None:
+            stream(next_ids)
+        if eos_id is not None and bool(finished.all()):
+            break
+        if cache is not None and idx.shape[1] <= context_size:
+            # one new token against the cached keys/values: positions continue from the cache length
+            out = model(next_ids[:, None], attention_mask=attention_mask, past_key_values=cache, use_cache=True)
+            logits = out["logits"][:, -1, :]
+        else:
+            cache, logits = None, None  # past the context: the window slides, so positions must be recomputed
+    model.train(was_training)
+    return idx
+
+
+def text_to_token_ids(text, tokenizer):
+    """Text -> (1, T) LongTensor of ids, with no [CLS]/[SEP] added."""
+    from chinese_tokenizer import encode
+
+    return torch.tensor(encode(text, tokenizer), dtype=torch.long).unsqueeze(0)  # (1, T)
+
+
+def token_ids_to_text(token_ids, tokenizer):
+    """(1, T) or (T,) ids -> text, special tokens dropped, no spaces between CJK characters."""
+    from chinese_tokenizer import decode
+
+    return decode(token_ids.reshape(-1), tokenizer)
