@@ -1,0 +1,205 @@
+"""Stage checkpoints: the hand-off between stages (design.md section 5).
+
+A checkpoint is a directory::
+
+    model.safetensors   weights only (no pickle, so loading can never run code)
+    config.json         {"model": GPTConfig fields, "model_type": "gpt" | "reward", "stage", "parent",
+                         "parent_sha256", "step", "tokens_seen", "metrics", "command", ...}
+    tokenizer/          the tokenizer, saved with ``save_pretrained``
+    metrics.jsonl, *.png   written by the stage
+    state/              while training: optimizer, RNG and step, for ``--resume`` (see ``training.py``)
+
+Every write goes to a temporary sibling directory that is renamed into place, so an interrupted save never leaves
+a half-written checkpoint where the old one was. An existing checkpoint is replaced only when the user asked.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+import tempfile
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_model, save_model
+
+from chinese_tokenizer import TokenizerError, load_tokenizer
+from cli import UserError
+from gpt_model import GPTConfig, GPTModel, RewardModel
+
+MODEL_FILE, CONFIG_FILE, TOKENIZER_DIR, STATE_DIR = "model.safetensors", "config.json", "tokenizer", "state"
+MODEL_TYPES = {"gpt": GPTModel, "reward": RewardModel}
+
+
+def check_output_dir(output_dir: str, overwrite: bool, resume: bool) -> None:
+    """Fail early, before any work, if ``output_dir`` holds a checkpoint the user did not say to replace or resume.
+
+    Raises:
+        UserError: it exists without ``--overwrite``/``--resume``, or ``--resume`` finds no saved state.
+    """
+    exists = os.path.exists(os.path.join(output_dir, CONFIG_FILE))
+    if resume:
+        if not os.path.isdir(os.path.join(output_dir, STATE_DIR)):
+            raise UserError(f"--resume: no saved training state in {output_dir}/{STATE_DIR}; "
+                            f"drop --resume to start a new run")
+        return
+    if exists and not overwrite:
+        raise UserError(f"{output_dir} already holds a checkpoint; pass --overwrite to replace it, --resume to "
+                        f"continue it, or choose another --output_dir")
+    if os.path.exists(output_dir) and not os.path.isdir(output_dir):
+        raise UserError(f"--output_dir {output_dir} is a file; choose a directory path")
+
+
+def file_sha256(path: str) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def save_checkpoint(output_dir: str, model, tokenizer, meta: dict, write_state=None, extra_files=None) -> None:
+    """Write a stage checkpoint atomically: build it in a temporary sibling directory, then rename it into place.
+
+    Args:
+        model: a ``GPTModel`` or ``RewardModel`` (unwrapped from Accelerate).
+        tokenizer: saved into ``tokenizer/``.
+        meta: stage metadata merged into ``config.json`` (stage, parent, step, metrics, ...).
+        write_state: optional ``fn(state_dir)`` writing the resumable training state into ``state/``.
+        extra_files: optional {file name: fn(path)} writers for the stage's own files (metrics.jsonl, plots).
+    Raises:
+        UserError: the disk is full or the directory is not writable; the previous checkpoint is left intact.
+    """
+    model_type = next(name for name, cls in MODEL_TYPES.items() if isinstance(model, cls))
+    parent = os.path.dirname(os.path.abspath(output_dir))
+    tmp = None
+    try:
+        os.makedirs(parent, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(output_dir)}.tmp-", dir=parent)
+        save_model(model, os.path.join(tmp, MODEL_FILE))  # handles the tied embedding/head weights
+        config = {"model": model.cfg.to_dict(), "model_type": model_type, **meta}
+        with open(os.path.join(tmp, CONFIG_FILE), "w", encoding="utf-8") as f:
+            json.dump(config, f, ensure_ascii=False, indent=2)
+        tokenizer.save_pretrained(os.path.join(tmp, TOKENIZER_DIR))
+        for name, write in (extra_files or {}).items():
+            write(os.path.join(tmp, name))
+        if write_state is not None:
+            write_state(os.path.join(tmp, STATE_DIR))
+        _replace_dir(tmp, output_dir)
+    except OSError as e:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise UserError(f"could not write checkpoint {output_dir}: {e.strerror or e}; free some disk space or "
+                        f"choose another --output_dir (the previous checkpoint is unchanged)") from e
+
+
+def _replace_dir(new: str, target: str) -> None:
+    """Put directory ``new`` at ``target``; an old ``target`` is moved aside first and removed only afterwards."""
+    old = None
+    if os.path.exists(target):
+        old = tempfile.mkdtemp(prefix=f".{os.path.basename(target)}.old-", dir=os.path.dirname(os.path.abspath(target)))
+        os.rmdir(old)
+        os.rename(target, old)
+    os.rename(new, target)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def read_config(path: str) -> dict:
+    """The ``config.json`` of checkpoint ``path``. Raises ``UserError`` if it is missing or unreadable."""
+    config_path = os.path.join(path, CONFIG_FILE)
+    if not os.path.isfile(config_path):
+        raise UserError(f"no checkpoint at {path} (missing {CONFIG_FILE}); run the stage that writes it first, "
+                        f"or point to another directory")
+    try:
+        with open(config_path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, ValueError) as e:
+        raise UserError(f"{config_path} is not valid JSON ({e}); the checkpoint is damaged, re-run its stage") from e
+
+
+def load_checkpoint(path: str, model_type: str | None = None, expect_vocab_size: int | None = None):
+    """Load a stage checkpoint: ``(model, tokenizer, config)``, the model in eval mode on the CPU.
+
+    Args:
+        model_type: "gpt" or "reward" to insist on one; a reward checkpoint also loads as "gpt" (its backbone).
+        expect_vocab_size: fail if the checkpoint's vocabulary differs.
+    Raises:
+        UserError: missing or damaged files, the wrong kind of model, or weights that do not fit the config.
+    """
+    config = read_config(path)
+    try:
+        cfg = GPTConfig.from_dict(config["model"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise UserError(f"{path}/{CONFIG_FILE} has no valid model config ({e}); re-run the stage that wrote it") from e
+    if expect_vocab_size is not None and cfg.vocab_size != expect_vocab_size:
+        raise UserError(f"checkpoint {path} has vocab_size {cfg.vocab_size} but this run uses {expect_vocab_size}; "
+                        f"use a checkpoint trained with the same tokenizer")
+    saved_type = config.get("model_type", "gpt")
+    if model_type == "reward" and saved_type != "reward":
+        raise UserError(f"{path} is a '{saved_type}' checkpoint but a reward model is needed; "
+                        f"pass a checkpoint written by 2-RM.py")
+    model = MODEL_TYPES[saved_type](cfg)
+    weights = os.path.join(path, MODEL_FILE)
+    if not os.path.isfile(weights):
+        raise UserError(f"no {MODEL_FILE} in {path}; the checkpoint is incomplete, re-run its stage")
+    try:
+        missing, unexpected = load_model(model, weights, strict=False)
+    except (SafetensorError, RuntimeError, OSError) as e:
+        raise UserError(f"{weights} does not fit its config ({str(e).splitlines()[0]}); "
+                        f"the checkpoint is damaged or from another architecture") from e
+    if missing or unexpected:
+        raise UserError(f"{weights} does not match the architecture in its config.json (missing {missing[:3]}, "
+                        f"unexpected {unexpected[:3]}); re-run the stage that wrote it")
+    if model_type == "gpt" and saved_type == "reward":
+        model = model.backbone
+    try:
+        tokenizer = load_tokenizer(os.path.join(path, TOKENIZER_DIR))
+    except TokenizerError as e:
+        raise UserError(str(e)) from e
+    if len(tokenizer) != cfg.vocab_size:
+        raise UserError(f"checkpoint {path}: tokenizer has {len(tokenizer)} ids but the model has vocab_size "
+                        f"{cfg.vocab_size}; the checkpoint is inconsistent")
+    model.eval()
+    return model, tokenizer, config
+
+
+def load_weights_into(model, path: str) -> None:
+    """Copy the weights of checkpoint ``path`` into ``model`` (same architecture), e.g. to initialise a stage from
+    its parent. A reward checkpoint's backbone fills a ``GPTModel``.
+
+    Raises:
+        UserError: the architectures differ; the message names both configs.
+    """
+    source, _, config = load_checkpoint(path, "gpt" if isinstance(model, GPTModel) else None)
+    if source.cfg != model.cfg:
+        diff = {k: (v, model.cfg.to_dict()[k]) for k, v in source.cfg.to_dict().items() if model.cfg.to_dict()[k] != v}
+        raise UserError(f"checkpoint {path} has another architecture than this run (checkpoint vs run: {diff}); "
+                        f"use --preset matching the checkpoint or omit the size flags")
+    model.load_state_dict(source.state_dict())
+
+
+def parent_meta(path: str) -> dict:
+    """What a child checkpoint records about its parent: the path and the sha256 of its weights."""
+    weights = os.path.join(path, MODEL_FILE)
+    return {"parent": os.path.abspath(path), "parent_sha256": file_sha256(weights) if os.path.isfile(weights) else None}
+
+
+def command_line() -> str:
+    return " ".join([os.path.basename(sys.executable)] + sys.argv)
+
+
+def load_pickle_free(path: str):
+    """Read a ``.bin``/``.pt`` tensor file without running code: ``torch.load(weights_only=True)``.
+
+    Raises:
+        UserError: the file holds objects other than tensors (a pickle that could run code is refused).
+    """
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # torch raises UnpicklingError or RuntimeError with a long explanation
+        raise UserError(f"refusing to load {path}: it is not a plain tensor file ({type(e).__name__}); "
+                        f"convert it to safetensors from a trusted source") from e

@@ -1,0 +1,108 @@
+"""Command-line plumbing shared by every script: user errors, the arguments all stages take, argument checks.
+
+A ``UserError`` is a problem with the user's input (a file, an argument, a checkpoint). ``run`` prints it as one
+line, ``error: <what is wrong> (<where>); <what to do>``, and exits with code 2, so no traceback reaches the user for
+a mistake they can fix.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+
+class UserError(Exception):
+    """Bad input from the user; the message says what is wrong, where, and what to do."""
+
+
+def run(main, argv=None) -> None:
+    """Call ``main(argv)``; turn a ``UserError`` into one line on stderr and exit code 2."""
+    try:
+        code = main(argv)
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    sys.exit(code or 0)
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:  # also rejects nan
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
+def non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def probability(text: str) -> float:
+    value = float(text)
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text}")
+    return value
+
+
+def stage_parser(description: str, output_dir: str) -> argparse.ArgumentParser:
+    """An ``ArgumentParser`` with the flags every training stage shares (design.md section 1).
+
+    The stage adds its own data and model-source flags (``--init``, ``--policy``/``--reward``) after this.
+    """
+    from gpt_model import PRESETS
+
+    p = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--preset", default="demo", choices=sorted(PRESETS), help="size preset: model and run length")
+    p.add_argument("--output_dir", default=output_dir, help="where the stage checkpoint is written")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing checkpoint in --output_dir")
+    p.add_argument("--resume", action="store_true", help="continue from --output_dir/state (saved by --save_every)")
+    p.add_argument("--seed", type=int, default=1234, help="one seed for weights, data order, dropout, sampling")
+    p.add_argument("--max_steps", type=positive_int, help="optimizer steps in the whole run (default: the preset's)")
+    p.add_argument("--stop_after", type=positive_int,
+                   help="run only this many steps now, save a resumable state and exit (continue with --resume)")
+    p.add_argument("--batch_size", type=positive_int, help="sequences per process per micro-batch")
+    p.add_argument("--gradient_accumulation_steps", type=positive_int, default=1,
+                   help="micro-batches per optimizer step")
+    p.add_argument("--learning_rate", type=positive_float, help="peak learning rate")
+    p.add_argument("--weight_decay", type=non_negative_float, default=0.1, help="AdamW decoupled weight decay")
+    p.add_argument("--warmup_steps", type=non_negative_int, help="linear warm-up steps before the cosine decay")
+    p.add_argument("--max_grad_norm", type=positive_float, default=1.0, help="gradient clipping threshold")
+    p.add_argument("--eval_every", type=positive_int, help="evaluate every N steps")
+    p.add_argument("--eval_examples", type=positive_int, help="validation examples used at each evaluation")
+    p.add_argument("--save_every", type=positive_int, help="save a resumable checkpoint every N steps")
+    p.add_argument("--tokenizer", default=default_path("data", "tokenizer"), help="tokenizer directory")
+    return p
+
+
+def default_path(*parts: str) -> str:
+    """A path relative to the repository (this file's folder), shown relative to the working directory."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), *parts)
+    try:
+        return os.path.relpath(path)
+    except ValueError:  # another drive on Windows
+        return path
+
+
+def fill_defaults(args: argparse.Namespace, defaults: dict) -> argparse.Namespace:
+    """Set every argument the user left as ``None`` from the stage's preset defaults."""
+    for key, value in defaults.items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, value)
+    return args

@@ -1,0 +1,136 @@
+"""Reading and checking the stages' data files, and packing text into training blocks.
+
+* ``read_jsonl(path, fields)``: a list of dicts, each checked to hold every field as a non-empty string; any bad
+  line is a one-line ``UserError`` naming the file and line.
+* ``load_text_documents(patterns)``: a ``datasets.Dataset`` of documents from ``.txt`` files (documents separated by
+  a blank line) and/or ``.jsonl`` files (one ``{"text": ...}`` per line).
+* ``PackedBlocks``: the documents tokenized with ``datasets.map`` (batched, cached on disk), joined with ``[SEP]``
+  and cut into blocks of ``context_length + 1`` tokens: block i gives ``input_ids = tokens[iL : iL+L]`` and
+  ``labels = tokens[iL+1 : iL+L+1]``, the same tokens shifted by one. Only the flat token array stays in memory
+  (int32: 4 bytes per token).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+
+import numpy as np
+import torch
+
+from chinese_tokenizer import SEP_ID, normalize_text
+from cli import UserError
+
+
+def expand_files(patterns, what: str) -> list[str]:
+    """Glob patterns (a string or a list) -> sorted file paths. Raises ``UserError`` when nothing matches."""
+    if isinstance(patterns, str):
+        patterns = [patterns]
+    files = []
+    for pattern in patterns:
+        matches = sorted(glob.glob(pattern))
+        if not matches:
+            raise UserError(f"{what}: no file matches {pattern}; run `python data/prepare.py` or fix the path")
+        files += matches
+    for path in files:
+        if os.path.isfile(path) and os.path.getsize(path) == 0:
+            raise UserError(f"{what}: {path} is empty; give a file with data")
+    return files
+
+
+def read_lines(path: str) -> list[str]:
+    """The lines of a UTF-8 text file. Raises ``UserError`` if it is missing or not UTF-8."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read().splitlines()
+    except FileNotFoundError as e:
+        raise UserError(f"{path} not found; run `python data/prepare.py` or fix the path") from e
+    except UnicodeDecodeError as e:
+        raise UserError(f"{path} is not UTF-8 text (bad byte at offset {e.start}); convert it to UTF-8") from e
+
+
+def read_jsonl(path: str, fields: tuple[str, ...]) -> list[dict]:
+    """Rows of a JSON-lines file; every row must hold each of ``fields`` as a non-empty string.
+
+    Blank lines are skipped. Raises ``UserError`` naming the file and line for the first bad row, or if the file
+    holds no row.
+    """
+    rows = []
+    for number, line in enumerate(read_lines(path), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except ValueError as e:
+            raise UserError(f"{path} line {number} is not valid JSON ({e.msg}); fix or remove that line") from e
+        if not isinstance(row, dict):
+            raise UserError(f"{path} line {number} is not a JSON object; expected fields {list(fields)}")
+        for field in fields:
+            value = row.get(field)
+            if not isinstance(value, str) or not value.strip():
+                problem = "is missing" if field not in row else f"is not a non-empty string ({type(value).__name__})"
+                raise UserError(f"{path} line {number}: field '{field}' {problem}; every line needs {list(fields)}")
+        rows.append(row)
+    if not rows:
+        raise UserError(f"{path} holds no rows; expected JSON lines with fields {list(fields)}")
+    return rows
+
+
+def load_text_documents(patterns, what: str):
+    """A ``datasets.Dataset`` with one column ``text``, one row per document, from .txt and .jsonl files.
+
+    Raises:
+        UserError: no file, an empty file, bad UTF-8, or a jsonl line without a "text" string.
+    """
+    import datasets
+
+    files = expand_files(patterns, what)
+    parts = []
+    for path in files:
+        if path.endswith(".jsonl") or path.endswith(".json"):
+            rows = read_jsonl(path, ("text",))
+            parts.append(datasets.Dataset.from_dict({"text": [normalize_text(r["text"]) for r in rows]}))
+        else:
+            text = normalize_text("\n".join(read_lines(path)))
+            docs = [d.strip() for d in text.split("\n\n") if d.strip()]
+            if not docs:
+                raise UserError(f"{what}: {path} holds no text")
+            parts.append(datasets.Dataset.from_dict({"text": docs}))
+    return datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0]
+
+
+class PackedBlocks:
+    """Documents tokenized, separated by ``[SEP]`` and cut into next-token blocks of ``block_len`` predictions.
+
+    ``len(blocks)`` is the number of blocks; ``blocks[i]`` is ``(input_ids, labels)``, two (block_len,) int64
+    tensors, labels shifted by one.
+    """
+
+    def __init__(self, documents, tokenizer, block_len: int, what: str = "data"):
+        def tokenize(batch):
+            ids = tokenizer(batch["text"], add_special_tokens=False)["input_ids"]
+            return {"input_ids": [doc + [SEP_ID] for doc in ids]}
+
+        tokenized = documents.map(tokenize, batched=True, remove_columns=documents.column_names,
+                                  desc=f"tokenizing {what}")
+        column = tokenized.data.column("input_ids").combine_chunks()
+        self.tokens = np.asarray(column.flatten().to_numpy(zero_copy_only=False), dtype=np.int32)  # (N,)
+        self.block_len = block_len
+        self.num_documents = len(documents)
+        if len(self) == 0:
+            raise UserError(f"{what}: only {len(self.tokens)} tokens, fewer than one block of {block_len + 1}; "
+                            f"give more text or a smaller context")
+
+    def __len__(self) -> int:
+        return max(0, (len(self.tokens) - 1) // self.block_len)
+
+    def __getitem__(self, i: int):
+        start = i * self.block_len
+        chunk = torch.from_numpy(self.tokens[start:start + self.block_len + 1].astype(np.int64))  # (L + 1,)
+        return chunk[:-1], chunk[1:]
+
+    def collate(self, indices) -> dict:
+        """Block indices -> {"input_ids": (B, L), "labels": (B, L)}."""
+        pairs = [self[i] for i in indices]
+        return {"input_ids": torch.stack([p[0] for p in pairs]), "labels": torch.stack([p[1] for p in pairs])}
