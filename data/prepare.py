@@ -716,11 +716,16 @@ def md5_file(path: Path) -> str:
     return hashlib.md5(path.read_bytes()).hexdigest()
 
 
+TOKENIZER_STAMP = ".chinese_tokenizer.sha256"
+
+
 def tokenizer_ready(data_dir: Path) -> bool:
     """True when ``tokenizer/`` holds the right vocabulary and a ``tokenizer.json``."""
     tok = data_dir / "tokenizer"
+    stamp = tok / TOKENIZER_STAMP
     return (tok / "tokenizer.json").is_file() and (tok / "vocab.txt").is_file() \
-        and md5_file(tok / "vocab.txt") == VOCAB_MD5
+        and md5_file(tok / "vocab.txt") == VOCAB_MD5 \
+        and stamp.is_file() and stamp.read_text() == sha256_file(REPO_ROOT / "chinese_tokenizer.py")
 
 
 def build_tokenizer_dir(data_dir: Path, cache_dir: Path) -> None:
@@ -741,6 +746,8 @@ def build_tokenizer_dir(data_dir: Path, cache_dir: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out, prefix=".build-") as tmp:
         (Path(tmp) / "vocab.txt").write_bytes(vocab)
+        # the tokenizer's code decides tokenizer.json: rebuild whenever chinese_tokenizer.py changes
+        (Path(tmp) / TOKENIZER_STAMP).write_text(sha256_file(REPO_ROOT / "chinese_tokenizer.py"))
         try:
             build_tokenizer(str(Path(tmp) / "vocab.txt")).save_pretrained(tmp)
         except TokenizerError as exc:
@@ -755,6 +762,7 @@ def expected_build(with_poetry: bool) -> dict:
     """What the outputs were built from; a manifest with a different one means the outputs are stale."""
     names = CORE_SOURCES + (["chinese-poetry"] if with_poetry else [])
     return {"build_version": BUILD_VERSION, "script_sha256": sha256_file(Path(__file__).resolve()),
+            "tokenizer_sha256": sha256_file(REPO_ROOT / "chinese_tokenizer.py"),
             "with_poetry": with_poetry,
             "sources": {n: {"version": SOURCES[n].version, "sha256": SOURCES[n].sha256} for n in names}}
 
