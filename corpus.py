@@ -8,6 +8,7 @@
   and cut into blocks of ``context_length + 1`` tokens: block i gives ``input_ids = tokens[iL : iL+L]`` and
   ``labels = tokens[iL+1 : iL+L+1]``, the same tokens shifted by one. Only the flat token array stays in memory
   (int32: 4 bytes per token).
+* ``pad_right(sequences)``: variable-length id lists -> a right-padded ``input_ids`` and its ``attention_mask``.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import os
 import numpy as np
 import torch
 
-from chinese_tokenizer import SEP_ID, normalize_text
+from chinese_tokenizer import PAD_ID, SEP_ID, normalize_text
 from cli import UserError
 
 
@@ -134,3 +135,20 @@ class PackedBlocks:
         """Block indices -> {"input_ids": (B, L), "labels": (B, L)}."""
         pairs = [self[i] for i in indices]
         return {"input_ids": torch.stack([p[0] for p in pairs]), "labels": torch.stack([p[1] for p in pairs])}
+
+
+def pad_right(sequences, pad_id: int = PAD_ID) -> dict:
+    """Lists of ids of any lengths -> {"input_ids": (B, T), "attention_mask": (B, T)}, T the longest length.
+
+    Each row keeps its tokens at positions 0..len-1 and is filled with ``pad_id`` after them; the mask is 1 on
+    real tokens and 0 on padding. Raises ``ValueError`` for an empty batch or an empty sequence.
+    """
+    if not sequences or min(len(s) for s in sequences) == 0:
+        raise ValueError("pad_right needs at least one sequence and no empty sequence")
+    longest = max(len(s) for s in sequences)
+    input_ids = torch.full((len(sequences), longest), pad_id, dtype=torch.long)  # (B, T)
+    attention_mask = torch.zeros((len(sequences), longest), dtype=torch.long)  # (B, T)
+    for row, seq in enumerate(sequences):
+        input_ids[row, :len(seq)] = torch.as_tensor(seq, dtype=torch.long)
+        attention_mask[row, :len(seq)] = 1
+    return {"input_ids": input_ids, "attention_mask": attention_mask}
