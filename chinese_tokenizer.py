@@ -93,6 +93,8 @@ def _check(tokenizer: BertTokenizerFast, where: str) -> None:
 
 def _with_concatenating_decoder(tokenizer: BertTokenizerFast) -> BertTokenizerFast:
     # BERT's WordPiece decoder joins tokens with spaces ("你 好"); ours glues pieces, dropping "##".
+    # WordPiece turns a "word" over 100 characters (a long number, a URL) into one [UNK]; split it instead.
+    tokenizer.backend_tokenizer.model.max_input_chars_per_word = 1_000_000
     tokenizer.backend_tokenizer.decoder = decoders.Sequence([decoders.Replace("##", ""), decoders.Fuse()])
     tokenizer.clean_up_tokenization_spaces = False
     return tokenizer
@@ -104,8 +106,8 @@ def normalize_text(text: str) -> str:
 
 
 def encode(text: str, tokenizer: BertTokenizerFast, add_special_tokens: bool = False) -> list[int]:
-    """Text -> ids. No ``[CLS]``/``[SEP]`` unless ``add_special_tokens``."""
-    return tokenizer.encode(normalize_text(text), add_special_tokens=add_special_tokens)
+    """Text -> ids. No ``[CLS]``/``[SEP]`` unless ``add_special_tokens``; "[CLS]" typed in the text is just text."""
+    return tokenizer.encode(normalize_text(text), add_special_tokens=add_special_tokens, split_special_tokens=True)
 
 
 def decode(ids, tokenizer: BertTokenizerFast, skip_special_tokens: bool = True) -> str:
@@ -132,6 +134,9 @@ def apply_chat_template(
     longer than ``max_length``, the prompt is cut from its left (the end of the prompt, nearest to the answer,
     matters most); if even the response alone does not fit, the response is cut from its right.
 
+    Raises:
+        ValueError: ``max_length`` < 3 (no room for ``[CLS]``, ``[ANS]`` and one token).
+
     Returns:
         ``(input_ids, response_mask, truncated)``: two lists of equal length L <= max_length, and whether anything
         was cut.
@@ -140,9 +145,12 @@ def apply_chat_template(
     response_ids = encode(response, tokenizer) + [SEP_ID]
     truncated = False
     if max_length is not None:
+        if max_length < 3:
+            raise ValueError(f"max_length must be >= 3 ([CLS], [ANS] and one token), got {max_length}")
         room = max_length - 2  # [CLS] and [ANS]
-        if len(response_ids) > room - 1:  # keep at least one prompt token
-            response_ids = response_ids[: max(room - 1, 1)]
+        keep_prompt = 1 if prompt_ids else 0  # a prompt keeps at least its last token
+        if len(response_ids) > room - keep_prompt:
+            response_ids = response_ids[: room - keep_prompt]
             truncated = True
         if len(prompt_ids) + len(response_ids) > room:
             prompt_ids = prompt_ids[len(prompt_ids) + len(response_ids) - room:]

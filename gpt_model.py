@@ -40,11 +40,11 @@ class GPTConfig:
     attention: str = "sdpa"  # fused torch kernel; "math" runs the explicit softmax(QK^T/sqrt(d_h))V reference
 
     def __post_init__(self):
-        if self.emb_dim % self.n_heads != 0:
-            raise ValueError(f"emb_dim={self.emb_dim} must be divisible by n_heads={self.n_heads}")
         for name in ("vocab_size", "context_length", "emb_dim", "n_heads", "n_layers"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.emb_dim % self.n_heads != 0:
+            raise ValueError(f"emb_dim={self.emb_dim} must be divisible by n_heads={self.n_heads}")
         if not 0.0 <= self.drop_rate < 1.0:
             raise ValueError(f"drop_rate must be in [0, 1), got {self.drop_rate}")
         if self.norm not in ("layernorm", "rmsnorm"):
@@ -448,9 +448,9 @@ def filter_logits(logits, top_k=None, top_p=None):
             raise ValueError(f"top_k must be >= 1, got {top_k}")
         kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]  # (B, 1)
         logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p is not None:
-        if not 0.0 < top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    if top_p is not None and not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    if top_p is not None and top_p < 1.0:  # top_p == 1 keeps everything (a float32 cumsum may reach 1 early)
         sorted_logits, order = torch.sort(logits, dim=-1, descending=True)  # (B, V)
         probs = torch.softmax(sorted_logits, dim=-1)
         # drop a token when the tokens ranked above it already reach top_p (the first token always stays)
@@ -488,6 +488,8 @@ def generate(model, idx, max_new_tokens, context_size, temperature=0.0, top_k=No
     Raises:
         ValueError: negative ``temperature``, ``repetition_penalty`` <= 0, or bad ``top_k``/``top_p``.
     """
+    if idx.shape[1] == 0:
+        raise ValueError("the prompt is empty: give at least one token (e.g. [CLS]) to continue from")
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0 (0 means greedy), got {temperature}")
     if repetition_penalty <= 0:

@@ -153,8 +153,6 @@ def test_line_endings_are_normalised(tokenizer):
     assert ct.normalize_text("x\r\ny\rz") == "x\ny\nz"
 
 
-@pytest.mark.xfail(strict=True, reason="WordPiece's max_input_chars_per_word=100: a longer run of letters/digits "
-                                       "becomes one [UNK] (bug reported)")
 def test_word_longer_than_100_characters_round_trips(tokenizer):
     """A 101-character run of letters or digits (a long number, a hash) must survive the round trip."""
     for text in ("a" * 101, "1" * 120, "x" + "0123456789" * 12):
@@ -252,8 +250,6 @@ def test_chat_template_properties(tokenizer, prompt_len, response_len, max_lengt
     assert truncated == (kept_p != full_p or kept_r != full_r)
 
 
-@pytest.mark.xfail(strict=True, reason="with an empty prompt, 'keep one prompt token' still cuts the response: "
-                                       "its [SEP] is dropped and truncated=True although the pair fits (bug reported)")
 def test_chat_template_empty_prompt_that_fits_is_untouched(tokenizer, vid):
     """An empty prompt with a response that fits keeps the response whole, [SEP] included, with the flag off."""
     ids, mask, truncated = ct.apply_chat_template("", "好的", tokenizer, max_length=5)
@@ -261,7 +257,6 @@ def test_chat_template_empty_prompt_that_fits_is_untouched(tokenizer, vid):
     assert mask == [0, 0, 1, 1, 1] and truncated is False
 
 
-@pytest.mark.xfail(strict=True, reason="apply_chat_template returns 3 ids for max_length=2 (bug reported)")
 def test_chat_template_tiny_max_length(tokenizer):
     """max_length below the 3 ids of the layout: either a ValueError or a result that respects the bound."""
     try:
@@ -310,7 +305,6 @@ def test_any_ids_decode_without_error(tokenizer, ids):
 @given(text=vocab_text())
 def test_vocab_text_round_trips_exactly(tokenizer, text):
     """Text built from characters that are single vocab tokens (plus whitespace) comes back unchanged."""
-    assume(all(len(w) <= 100 for w in re.findall(r"[a-z0-9]+", text)))  # longer words: see the xfail above
     ids = ct.encode(text, tokenizer)
     assert 100 not in ids
     assert ct.decode(ids, tokenizer) == text
@@ -336,3 +330,10 @@ def test_generate_runs_on_fuzzed_prompts(tokenizer, tiny_model, text):
     assert out.shape == (1, prompt.shape[1] + 3)
     assert torch.equal(out[:, : prompt.shape[1]], prompt)
     assert isinstance(gm.token_ids_to_text(out[0, prompt.shape[1]:], tokenizer), str)
+
+
+def test_special_token_names_typed_in_text_are_plain_text(tokenizer):
+    """A user typing "[CLS]" or "[ANS]" gets ordinary pieces, never the control ids 101 or 5."""
+    ids = ct.encode("a[CLS]b[ANS]c[SEP]", tokenizer)
+    assert not {ct.CLS_ID, ct.SEP_ID, ct.ANSWER_ID} & set(ids)
+    assert ct.decode(ids, tokenizer) == "a[cls]b[ans]c[sep]"  # lower-cased like all Latin text
