@@ -1,0 +1,345 @@
+"""Generate text from any stage's checkpoint: one prompt, a file of prompts, or an interactive session.
+
+    python generate.py --prompt "中国的首都是"                     # the latest checkpoint: ppo, else sft, else pretrain
+    python generate.py --checkpoint checkpoints/pretrain --prompt "今天天气" --temperature 0
+    python generate.py --prompts_file prompts.jsonl --output answers.jsonl
+    python generate.py --reward checkpoints/rm --num_samples 8 --prompt "写一条好评："   # best-of-8 by the RM
+    python generate.py                                              # interactive: type a prompt, read the answer
+
+How a prompt becomes model input depends on the checkpoint:
+
+* a pretrain checkpoint (or ``--from_hf`` weights, or any checkpoint with ``--raw``) continues the prompt's text as
+  it is: the ids of the prompt, nothing added;
+* an SFT or PPO checkpoint answers through the chat template it was trained on, ``[CLS] prompt [ANS]``.
+
+Either way generation stops at ``[SEP]`` (the end of a document in pretraining, the end of an answer after SFT) or
+after ``--max_new_tokens``. A prompt longer than the model's context keeps its last tokens (a note goes to stderr).
+
+Output: the generated text alone goes to stdout for ``--prompt`` and in the interactive loop (streamed token by
+token; several samples come at the end, separated by a blank line), or
+one JSON line per answer, ``{"prompt", "response"}`` plus ``"score"`` with ``--reward``, for ``--prompts_file``;
+everything else (which checkpoint, truncation notes, the scores of all samples) goes to stderr.
+
+Sampling: ``--temperature 0`` is greedy decoding; otherwise softmax sampling after ``--top_k`` / ``--top_p``
+filtering and ``--repetition_penalty``. The ``--num_samples`` samples of one prompt are drawn in one batched
+``generate`` call. Each prompt of ``--prompt``/``--prompts_file`` starts from the generator seeded with ``--seed``,
+so an answer in a file run is the answer the same prompt gets alone; the interactive session is seeded once, so
+asking again gives a new sample. With ``--reward DIR`` each sample is scored by the reward model on
+``[CLS] prompt [ANS] response [SEP]`` (the text it was trained on) and the best one is kept (best-of-n).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+from checkpoint import load_checkpoint, read_config
+from chinese_tokenizer import EOS_ID, PAD_ID, apply_chat_template, chat_prompt_ids, decode, encode
+from cli import UserError, default_path, non_negative_float, non_negative_int, positive_float, positive_int, \
+    probability, run
+from gpt_model import generate
+
+# Where the stages write their checkpoints, latest stage first: the default --checkpoint is the first that exists.
+STAGE_DIRS = [default_path("checkpoints", stage) for stage in ("ppo", "sft", "pretrain")]
+CHAT_STAGES = ("sft", "ppo")  # checkpoints trained on the chat template
+EXIT_WORDS = ("exit", "quit")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description="Generate text from a stage checkpoint (pretrain, SFT or PPO).",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    source = p.add_mutually_exclusive_group()
+    source.add_argument("--checkpoint", help="stage checkpoint directory (default: the latest of "
+                                             "checkpoints/ppo, checkpoints/sft, checkpoints/pretrain)")
+    source.add_argument("--from_hf", help="a local Hugging Face GPT-2 directory, loaded through load_weight.py")
+    p.add_argument("--tokenizer", help="tokenizer directory for --from_hf (default: the directory's own vocab.txt "
+                                       "if it is the BERT-Chinese one, else data/tokenizer); checkpoints carry theirs")
+    prompts = p.add_mutually_exclusive_group()
+    prompts.add_argument("--prompt", help="generate for this one prompt and print the answer")
+    prompts.add_argument("--prompts_file", help="a file of prompts: one per line, or .jsonl lines with a \"prompt\"")
+    p.add_argument("--output", help="where --prompts_file answers go as JSON lines (default: stdout)")
+    p.add_argument("--raw", action="store_true", help="continue the prompt text as is, even for an SFT/PPO checkpoint")
+    p.add_argument("--max_new_tokens", type=positive_int, default=100, help="most tokens generated per answer")
+    p.add_argument("--temperature", type=non_negative_float, default=0.8, help="0 means greedy decoding")
+    p.add_argument("--top_k", type=non_negative_int, default=50, help="sample among the k likeliest tokens (0: all)")
+    p.add_argument("--top_p", type=probability, default=1.0, help="nucleus sampling threshold (1: off)")
+    p.add_argument("--repetition_penalty", type=positive_float, default=1.0,
+                   help="> 1 makes tokens already in the text less likely (1: off)")
+    p.add_argument("--seed", type=int, default=1234, help="seed for sampling")
+    p.add_argument("--num_samples", type=positive_int, default=1,
+                   help="samples per prompt (all are printed; with --reward only the best)")
+    p.add_argument("--reward", help="reward model checkpoint (from 2-RM.py): keep the best-scoring sample")
+    p.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
+    args = p.parse_args(argv)
+    if args.output and not args.prompts_file:
+        raise UserError("--output is only used with --prompts_file; drop it or give --prompts_file")
+    return args
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+# --- loading ---------------------------------------------------------------------------------------------------
+
+def find_latest_checkpoint() -> str:
+    """The first of checkpoints/ppo, sft, pretrain that holds a checkpoint. Raises ``UserError`` if none does."""
+    for path in STAGE_DIRS:
+        if os.path.isfile(os.path.join(path, "config.json")):
+            return path
+    raise UserError(f"no checkpoint in {', '.join(STAGE_DIRS)}; run 0-PRETRAIN.py first or pass --checkpoint DIR")
+
+
+def load_policy(args):
+    """The model to generate with: ``(model, tokenizer, chat)``, where ``chat`` says whether to use the template."""
+    if args.from_hf:
+        from load_weight import import_tokenizer, load_hf_gpt2  # only needed on this path
+
+        if not os.path.isdir(args.from_hf):
+            raise UserError(f"--from_hf {args.from_hf} is not a directory; give a local Hugging Face GPT-2 folder")
+        model = load_hf_gpt2(args.from_hf)
+        tokenizer = import_tokenizer(args.from_hf, args.tokenizer)
+        if len(tokenizer) != model.cfg.vocab_size:
+            raise UserError(f"{args.from_hf} has vocab_size {model.cfg.vocab_size} but the tokenizer has "
+                            f"{len(tokenizer)} ids; use Chinese GPT-2 weights with the BERT-Chinese vocabulary "
+                            f"(e.g. uer/gpt2-chinese-cluecorpussmall)")
+        log(f"loaded Hugging Face weights from {args.from_hf}: plain continuation")
+        return model, tokenizer, False
+
+    path = args.checkpoint
+    if path is None:
+        path = find_latest_checkpoint()
+        log(f"using {path} (the latest stage found; pass --checkpoint to choose another)")
+    elif not os.path.isdir(path):
+        raise UserError(f"--checkpoint {path} does not exist; give a directory written by a stage script")
+    if read_config(path).get("model_type") == "reward":
+        raise UserError(f"--checkpoint {path} is a reward model; generate from a pretrain/SFT/PPO checkpoint "
+                        f"and pass this one as --reward")
+    model, tokenizer, config = load_checkpoint(path, "gpt")
+    stage = config.get("stage", "unknown")
+    chat = stage in CHAT_STAGES and not args.raw
+    log(f"loaded {path} (stage {stage}): {'chat template' if chat else 'plain continuation'}")
+    return model, tokenizer, chat
+
+
+def check_reward_dir(path: str) -> None:
+    """Fail before any loading if ``--reward`` is not a reward model checkpoint."""
+    if not os.path.isdir(path):
+        raise UserError(f"--reward {path} does not exist; give a directory written by 2-RM.py")
+    model_type = read_config(path).get("model_type", "gpt")
+    if model_type != "reward":
+        raise UserError(f"--reward {path} is a '{model_type}' checkpoint but a reward model is needed; "
+                        f"pass a checkpoint written by 2-RM.py")
+
+
+def load_reward(path: str, vocab_size: int):
+    model, _, _ = load_checkpoint(path, "reward", expect_vocab_size=vocab_size)
+    return model
+
+
+# --- one prompt ------------------------------------------------------------------------------------------------
+
+def prompt_to_ids(prompt: str, tokenizer, chat: bool, context_length: int) -> list[int]:
+    """The model input for ``prompt``: its ids, or ``[CLS] ids [ANS]``, cut from the left to fit the context."""
+    if not chat:
+        ids = encode(prompt, tokenizer)
+        if len(ids) > context_length:
+            log(f"note: the prompt is {len(ids)} tokens, longer than the model's context of {context_length}; "
+                f"keeping its last {context_length}")
+            ids = ids[-context_length:]
+        return ids
+    ids = chat_prompt_ids(prompt, tokenizer)  # [CLS] prompt [ANS]
+    if len(ids) > context_length:
+        room = context_length - 2  # [CLS] and [ANS] stay; the prompt loses its beginning
+        log(f"note: the prompt is {len(ids) - 2} tokens, longer than the {room} that fit in the model's context of "
+            f"{context_length} with the chat template; keeping its last {room}")
+        ids = ids[:1] + ids[1:-1][-room:] + ids[-1:]
+    return ids
+
+
+def check_prompt(prompt: str, where: str) -> str:
+    if not prompt.strip():
+        raise UserError(f"{where} is empty; give some text to continue")
+    return prompt
+
+
+def until_eos(ids: list[int]) -> list[int]:
+    """The tokens before the first ``[SEP]``."""
+    return ids[: ids.index(EOS_ID)] if EOS_ID in ids else ids
+
+
+def sample(model, ids: list[int], args, num_samples: int, stream=None) -> list[list[int]]:
+    """``num_samples`` continuations of ``ids`` in one batched ``generate`` call, each cut at its first ``[SEP]``."""
+    device = next(model.parameters()).device
+    idx = torch.tensor([ids] * num_samples, dtype=torch.long, device=device)  # (n, T)
+    out = generate(model, idx, args.max_new_tokens, model.cfg.context_length, temperature=args.temperature,
+                   top_k=args.top_k or None, top_p=args.top_p if args.top_p < 1.0 else None, eos_id=EOS_ID,
+                   repetition_penalty=args.repetition_penalty, stream=stream)  # (n, T + new)
+    return [until_eos(row) for row in out[:, len(ids):].tolist()]
+
+
+@torch.no_grad()
+def score(reward_model, tokenizer, prompt: str, responses: list[str]) -> list[float]:
+    """The reward model's score of each ``[CLS] prompt [ANS] response [SEP]``, in one right-padded batch."""
+    rows = [apply_chat_template(prompt, r, tokenizer, max_length=reward_model.cfg.context_length)[0]
+            for r in responses]
+    width = max(len(r) for r in rows)
+    device = next(reward_model.parameters()).device
+    input_ids = torch.tensor([r + [PAD_ID] * (width - len(r)) for r in rows], device=device)  # (n, T)
+    mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows], device=device)  # (n, T)
+    return reward_model(input_ids, attention_mask=mask)["rewards"].float().tolist()
+
+
+class TextStream:
+    """A ``stream`` callback for ``generate`` that writes one row's text as its tokens arrive.
+
+    Each call decodes all the tokens so far and writes only what is new, so a token whose text depends on its
+    neighbours (a ``##`` word piece, or any tokenizer that merges pieces) still comes out right.
+    """
+
+    def __init__(self, tokenizer, out):
+        self.tokenizer, self.out = tokenizer, out
+        self.ids, self.written, self.done = [], "", False
+
+    def __call__(self, next_ids):  # (B,) with B == 1
+        token = int(next_ids[0])
+        if self.done or token == EOS_ID:
+            self.done = True
+            return
+        self.ids.append(token)
+        self.flush()
+
+    def flush(self):
+        text = decode(self.ids, self.tokenizer)
+        if text.startswith(self.written) and len(text) > len(self.written):
+            self.out.write(text[len(self.written):])
+            self.out.flush()
+            self.written = text
+
+
+def answer(prompt: str, model, tokenizer, chat: bool, args, reward_model=None, out=None) -> list[dict]:
+    """Generate for one prompt. Returns rows ``{"prompt", "response"}``: the best sample with its ``"score"`` when
+    there is a reward model, else one row per sample. With ``out``, a single sample is streamed to it as it grows."""
+    ids = prompt_to_ids(prompt, tokenizer, chat, model.cfg.context_length)
+    n = args.num_samples
+    stream = TextStream(tokenizer, out) if out is not None and n == 1 and reward_model is None else None
+    responses = [decode(r, tokenizer) for r in sample(model, ids, args, n, stream)]
+    if stream is not None:
+        stream.flush()
+    if reward_model is None:
+        return [{"prompt": prompt, "response": r} for r in responses]
+    scores = score(reward_model, tokenizer, prompt, responses)
+    best = max(range(n), key=lambda i: scores[i])  # the first of equal scores
+    for i, (r, s) in enumerate(zip(responses, scores)):
+        log(f"{'*' if i == best else ' '} sample {i + 1}: score {s:+.4f}  {r!r}")
+    return [{"prompt": prompt, "response": responses[best], "score": scores[best]}]
+
+
+# --- the three modes -------------------------------------------------------------------------------------------
+
+def read_prompts(path: str) -> list[str]:
+    """Prompts from a ``.jsonl`` file (field "prompt") or a text file (one per line; blank lines skipped)."""
+    from corpus import read_jsonl, read_lines
+
+    if path.endswith(".jsonl"):
+        prompts = [row["prompt"] for row in read_jsonl(path, ("prompt",))]
+    else:
+        prompts = [line for line in read_lines(path) if line.strip()]
+    if not prompts:
+        raise UserError(f"--prompts_file {path} holds no prompt; write one prompt per line")
+    return prompts
+
+
+def print_answer(prompt: str, model, tokenizer, chat: bool, args, reward_model=None) -> None:
+    """Write the answer to stdout: streamed when it is one sample, else the samples (or the best) when done,
+    separated by blank lines."""
+    rows = answer(prompt, model, tokenizer, chat, args, reward_model, out=sys.stdout)
+    if reward_model is not None or args.num_samples > 1:  # nothing was streamed
+        print("\n\n".join(row["response"] for row in rows), end="")
+    print(flush=True)
+
+
+def interactive(model, tokenizer, chat: bool, args, reward_model=None) -> None:
+    """Read prompts from stdin until EOF or "exit"; stream each answer to stdout."""
+    log(f"type a prompt and press Enter; {' or '.join(EXIT_WORDS)} (or Ctrl-D) ends")
+    torch.manual_seed(args.seed)
+    while True:
+        if sys.stdin.isatty():
+            sys.stderr.write("> ")
+            sys.stderr.flush()
+        try:
+            line = sys.stdin.readline()
+        except KeyboardInterrupt:
+            line = ""
+        if not line or line.strip() in EXIT_WORDS:
+            break
+        prompt = line.rstrip("\n")
+        if not prompt.strip():
+            continue
+        print_answer(prompt, model, tokenizer, chat, args, reward_model)
+
+
+def pick_device(name: str | None) -> torch.device:
+    """``--device``, or cuda when there is a GPU, else cpu."""
+    if name is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError as e:
+        raise UserError(f"--device {name!r} is not a torch device; use cpu, cuda or cuda:N") from e
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UserError(f"--device {name}: no CUDA GPU is available here; use --device cpu or leave it out")
+    return device
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.prompt is not None:
+        check_prompt(args.prompt, "--prompt")
+    prompts = read_prompts(args.prompts_file) if args.prompts_file else None
+    if args.output and os.path.dirname(args.output) and not os.path.isdir(os.path.dirname(args.output)):
+        raise UserError(f"--output {args.output}: folder {os.path.dirname(args.output)} does not exist; create it")
+    if args.temperature == 0 and args.num_samples > 1:
+        log(f"note: --temperature 0 is greedy, so the {args.num_samples} samples will be the same")
+
+    if args.reward:
+        check_reward_dir(args.reward)
+
+    device = pick_device(args.device)
+    model, tokenizer, chat = load_policy(args)
+    model.to(device)
+    reward_model = load_reward(args.reward, model.cfg.vocab_size).to(device) if args.reward else None
+    log(f"device {device}; {sum(p.numel() for p in model.parameters()):,} parameters; context "
+        f"{model.cfg.context_length} tokens")
+
+    if args.prompt is not None:
+        torch.manual_seed(args.seed)
+        print_answer(args.prompt, model, tokenizer, chat, args, reward_model)
+    elif prompts is not None:
+        try:
+            out = open(args.output, "w", encoding="utf-8") if args.output else sys.stdout
+        except OSError as e:
+            raise UserError(f"--output {args.output}: cannot write ({e.strerror}); choose another path") from e
+        try:
+            for i, prompt in enumerate(prompts, start=1):
+                torch.manual_seed(args.seed)
+                for row in answer(prompt, model, tokenizer, chat, args, reward_model):
+                    out.write(json.dumps(row, ensure_ascii=False) + "\n")
+                out.flush()
+                log(f"[{i}/{len(prompts)}] done")
+        finally:
+            if out is not sys.stdout:
+                out.close()
+        if args.output:
+            log(f"wrote {args.output}")
+    else:
+        interactive(model, tokenizer, chat, args, reward_model)
+    return 0
+
+
+if __name__ == "__main__":
+    run(main)
