@@ -31,14 +31,18 @@ from cli import UserError
 def make_accelerator(args):
     """An ``accelerate.Accelerator`` for this run, with every RNG seeded from ``args.seed``.
 
-    Mixed precision, device and process count come from ``accelerate launch`` / ``accelerate config``. Gradient
+    Mixed precision, device and process count come from ``accelerate launch`` / ``accelerate config``. Several
+    processes on a machine without a GPU (``accelerate launch --multi_gpu --num_processes 2`` or ``torchrun``)
+    train on the CPU with the gloo backend. Gradient
     accumulation is Accelerate's: inside ``accelerator.accumulate`` the loss is divided by the number of
     micro-batches exactly once (in ``accelerator.backward``) and gradients sync on the last micro-batch.
     """
     from accelerate import Accelerator
     from accelerate.utils import set_seed
 
-    accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps)
+    # torchrun-style processes with no GPU: tell Accelerate to join them on the CPU instead of running N copies
+    cpu = not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1
+    accelerator = Accelerator(cpu=cpu, gradient_accumulation_steps=args.gradient_accumulation_steps)
     set_seed(args.seed)
     return accelerator
 
@@ -155,6 +159,14 @@ def gather_rng_states(accelerator) -> torch.Tensor:
     if accelerator.num_processes == 1:
         return state
     return accelerator.gather(state.to(accelerator.device)).cpu()
+
+
+def mean_over_processes(accelerator, values):
+    """The mean of each float in ``values`` over all processes (all must call); a list of floats."""
+    tensor = torch.tensor(values, dtype=torch.float64, device=accelerator.device)
+    if accelerator.num_processes > 1:
+        tensor = accelerator.reduce(tensor, reduction="mean")
+    return tensor.tolist()
 
 
 class StopSignal:

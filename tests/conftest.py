@@ -25,3 +25,47 @@ def tokenizer():
         subprocess.run([sys.executable, str(REPO_ROOT / "data" / "prepare.py"), "--tokenizer-only", "--quiet"],
                        cwd=REPO_ROOT, check=True)
     return chinese_tokenizer.load_tokenizer(str(tok_dir))
+
+
+def load_script(filename: str):
+    """Import a numbered stage script (``3-PPO.py`` is not a valid module name) as a module."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(filename.replace("-", "_").removesuffix(".py"), REPO_ROOT / filename)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def run_script(*args, timeout=600, env=None):
+    """Run ``python <script> args...`` from the repository root; returns the CompletedProcess (never raises)."""
+    import os
+
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.run([sys.executable, *map(str, args)], cwd=REPO_ROOT, capture_output=True, text=True,
+                          timeout=timeout, env=full_env)
+
+
+TINY_TEXT = ("床前明月光，疑是地上霜。举头望明月，低头思故乡。\n"
+             "白日依山尽，黄河入海流。欲穷千里目，更上一层楼。\n"
+             "春眠不觉晓，处处闻啼鸟。夜来风雨声，花落知多少。\n")
+
+
+@pytest.fixture(scope="session")
+def tiny_corpus(tmp_path_factory):
+    """A small pretraining corpus (train.txt, val.txt) of classical poems, in a temporary directory."""
+    root = tmp_path_factory.mktemp("corpus")
+    (root / "train.txt").write_text("\n\n".join([TINY_TEXT] * 12), encoding="utf-8")
+    (root / "val.txt").write_text(TINY_TEXT, encoding="utf-8")
+    return root
+
+
+@pytest.fixture(scope="session")
+def tiny_pretrain_checkpoint(tmp_path_factory, tiny_corpus, tokenizer):
+    """A ``--preset tiny`` checkpoint written by 0-PRETRAIN.py on the tiny corpus (a parent for later stages)."""
+    out = tmp_path_factory.mktemp("ckpt") / "pretrain"
+    result = run_script("0-PRETRAIN.py", "--preset", "tiny", "--max_steps", "20", "--eval_every", "20",
+                        "--train_files", tiny_corpus / "train.txt", "--val_files", tiny_corpus / "val.txt",
+                        "--output_dir", out)
+    assert result.returncode == 0, result.stderr[-2000:]
+    return out

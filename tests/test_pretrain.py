@@ -1,0 +1,150 @@
+"""Stage 0 and the training plumbing it shares with later stages: schedule, data order, optimizer groups, packing,
+and the script end to end (loss falls, exact resume, no silent overwrite, two processes)."""
+
+import json
+import math
+import os
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from conftest import REPO_ROOT, TINY_TEXT, run_script
+from corpus import PackedBlocks, load_text_documents
+from gpt_model import GPTModel, get_preset
+from training import BatchSchedule, lr_at, make_optimizer
+
+
+def test_lr_schedule_by_hand():
+    """Linear warm-up reaches the peak at the end of warm-up; cosine ends at 10% of the peak; halfway is 55%."""
+    assert lr_at(0, 1.0, 4, 104) == pytest.approx(0.25)
+    assert lr_at(3, 1.0, 4, 104) == pytest.approx(1.0)
+    assert lr_at(54, 1.0, 4, 104) == pytest.approx(0.1 + 0.9 * 0.5)  # cos(pi/2) = 0
+    assert lr_at(104, 1.0, 4, 104) == pytest.approx(0.1)
+    assert lr_at(500, 1.0, 4, 104) == pytest.approx(0.1)
+
+
+def test_batch_schedule_covers_each_epoch_once_and_splits_across_processes():
+    """Every epoch is a permutation; two processes with batch b see exactly one process's batch 2b."""
+    one = BatchSchedule(10, 4, 1, 1, seed=7)
+    two = BatchSchedule(10, 2, 1, 2, seed=7)
+    for step in range(5):
+        together = one.indices(step, 0, 0)
+        assert two.indices(step, 0, 0) + two.indices(step, 0, 1) == together
+    first_epoch = [one._example(k) for k in range(10)]
+    assert sorted(first_epoch) == list(range(10))
+    assert [one._example(k) for k in range(10, 20)] != first_epoch  # a new order each epoch
+
+
+def test_optimizer_decays_only_linear_weights():
+    """Weight decay applies to Linear weight matrices; never to biases, norms or (tied) embeddings."""
+    model = GPTModel(get_preset("tiny").replace(vocab_size=50))
+    decay, no_decay = make_optimizer(model, 1e-3, 0.1).param_groups
+    names = {id(p): n for n, p in model.named_parameters()}
+    decayed = {names[id(p)] for p in decay["params"]}
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert all(n.endswith(".weight") and "norm" not in n and "emb" not in n for n in decayed)
+    assert "trf_blocks.0.att.W_query.weight" in decayed
+    assert {"tok_emb.weight", "pos_emb.weight", "final_norm.scale"} <= {names[id(p)] for p in no_decay["params"]}
+    assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
+
+
+def test_packing_joins_documents_with_sep_and_shifts_by_one(tokenizer, tmp_path):
+    """Blocks are the concatenated document tokens with [SEP] after each; labels are inputs moved left by one."""
+    path = tmp_path / "docs.jsonl"
+    path.write_text('{"text": "你好"}\n{"text": "世界和平"}\n', encoding="utf-8")
+    blocks = PackedBlocks(load_text_documents([str(path)], "test"), tokenizer, block_len=3)
+    expected = tokenizer.convert_tokens_to_ids(list("你好")) + [102] + \
+        tokenizer.convert_tokens_to_ids(list("世界和平")) + [102]
+    assert blocks.tokens.tolist() == expected
+    assert len(blocks) == (len(expected) - 1) // 3
+    x, y = blocks[1]
+    assert x.tolist() == expected[3:6] and y.tolist() == expected[4:7]
+
+
+def test_txt_documents_are_split_on_blank_lines(tmp_path):
+    (tmp_path / "a.txt").write_text("第一段\n第二行\n\n\n第二篇\r\n", encoding="utf-8")
+    docs = load_text_documents([str(tmp_path / "a.txt")], "test")["text"]
+    assert docs == ["第一段\n第二行", "第二篇"]
+
+
+def pretrain(out, corpus, *extra):
+    return run_script("0-PRETRAIN.py", "--preset", "tiny", "--train_files", corpus / "train.txt",
+                      "--val_files", corpus / "val.txt", "--output_dir", out, *extra)
+
+
+@pytest.mark.slow
+def test_pretrain_loss_falls_and_checkpoint_is_complete(tiny_pretrain_checkpoint):
+    """The fixture's 20-step run: val loss starts near ln(V) and falls; the checkpoint has every design.md file."""
+    ckpt = tiny_pretrain_checkpoint
+    rows = [json.loads(line) for line in open(ckpt / "metrics.jsonl", encoding="utf-8")]
+    assert rows[0]["train_loss"] == pytest.approx(math.log(21128), abs=0.3)
+    assert rows[-1]["val_loss"] < rows[0]["train_loss"] - 2.0
+    for name in ("model.safetensors", "config.json", "tokenizer/tokenizer.json", "metrics.jsonl", "loss_curve.png"):
+        assert (ckpt / name).exists(), name
+    assert not (ckpt / "state").exists()  # a finished run keeps no resumable state
+    config = json.loads((ckpt / "config.json").read_text(encoding="utf-8"))
+    assert config["stage"] == "pretrain" and config["step"] == 20 and config["model"]["n_layers"] == 2
+
+
+@pytest.mark.slow
+def test_resume_is_bit_identical_to_a_straight_run(tmp_path, tiny_corpus):
+    """3 steps, stop, --resume to 6 gives the same weights as 6 steps straight (optimizer, schedule, RNG, data)."""
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    args = ("--max_steps", "6", "--eval_every", "2", "--preset", "tiny")
+    assert pretrain(straight, tiny_corpus, *args).returncode == 0
+    first = pretrain(resumed, tiny_corpus, *args, "--stop_after", "3")
+    assert first.returncode == 0, first.stderr[-1500:]
+    assert (resumed / "state" / "optimizer.safetensors").exists()
+    second = pretrain(resumed, tiny_corpus, *args, "--resume")
+    assert second.returncode == 0, second.stderr[-1500:]
+    a, b = load_file(straight / "model.safetensors"), load_file(resumed / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    rows_a = (straight / "metrics.jsonl").read_text().splitlines()
+    rows_b = (resumed / "metrics.jsonl").read_text().splitlines()
+    strip = lambda rows: [{k: v for k, v in json.loads(r).items() if k != "time_s"} for r in rows]
+    assert strip(rows_a) == strip(rows_b)
+
+
+@pytest.mark.slow
+def test_existing_checkpoint_is_never_replaced_without_overwrite(tmp_path, tiny_pretrain_checkpoint, tiny_corpus):
+    """A second run into the same directory exits 2 with a one-line hint and leaves every byte as it was."""
+    out = tmp_path / "pretrain"
+    shutil.copytree(tiny_pretrain_checkpoint, out)
+    before = {p: p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    result = pretrain(out, tiny_corpus, "--max_steps", "2")
+    assert result.returncode == 2
+    assert "--overwrite" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert {p: p.read_bytes() for p in out.rglob("*") if p.is_file()} == before
+
+
+@pytest.mark.slow
+def test_two_processes_follow_the_one_process_loss_curve(tmp_path, tiny_corpus):
+    """``accelerate launch --multi_gpu --num_processes 2`` on a machine without a GPU (two gloo processes on the
+    CPU) with batch 2 each gives the same losses as one process with batch 4 (the same global batches; dropout is 0
+    in the tiny preset); only one copy of the files is written."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    args = ("--max_steps", "4", "--eval_every", "2")
+    assert pretrain(one, tiny_corpus, *args, "--batch_size", "4").returncode == 0
+    result = run_script("-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+                        "--mixed_precision", "no", "--dynamo_backend", "no", "0-PRETRAIN.py", "--preset", "tiny",
+                        "--train_files", tiny_corpus / "train.txt", "--val_files", tiny_corpus / "val.txt",
+                        "--output_dir", two, *args, "--batch_size", "2")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("saved ") == 1  # one process is the main process
+    losses = lambda d: [(r["train_loss"], r.get("val_loss")) for r in map(json.loads, open(d / "metrics.jsonl"))]
+    for (a, va), (b, vb) in zip(losses(one), losses(two)):
+        assert a == pytest.approx(b, abs=1e-4)
+        assert (va is None) == (vb is None) and (va is None or va == pytest.approx(vb, abs=1e-4))
+    tokens = lambda d: [r["tokens_seen"] for r in map(json.loads, open(d / "metrics.jsonl"))]
+    assert tokens(one) == tokens(two)  # the global batch really spans both processes
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary directories left
+
+
+def test_missing_train_file_is_a_one_line_error(tmp_path):
+    result = run_script("0-PRETRAIN.py", "--preset", "tiny", "--train_files", tmp_path / "nope.txt",
+                        "--output_dir", tmp_path / "out")
+    assert result.returncode == 2
+    assert "nope.txt" in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "out").exists()
