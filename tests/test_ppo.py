@@ -1,0 +1,174 @@
+"""Stage 3: the PPO maths against hand calculations, the rollout's invariants, and the script end to end."""
+
+import copy
+import json
+import types
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from checkpoint import load_checkpoint, save_checkpoint
+from conftest import load_script, run_script
+from gpt_model import GPTModel, RewardModel, get_preset
+
+ppo = load_script("3-PPO.py")
+
+
+def test_gae_matches_a_hand_computed_example():
+    """gamma = 1, lambda = 0.95. Row 0 has three real tokens, row 1 two (the third is padding).
+
+    Row 0: deltas 0+0.6-0.5 = 0.1, 0+0.7-0.6 = 0.1, 1-0.7 = 0.3 -> A2 = 0.3, A1 = 0.1+0.95*0.3 = 0.385,
+    A0 = 0.1+0.95*0.385 = 0.46575. Row 1: A1 = 2-0.2 = 1.8, A0 = (0.2-0.1)+0.95*1.8 = 1.81; the pad's value 9 is
+    ignored."""
+    rewards = torch.tensor([[0.0, 0.0, 1.0], [0.0, 2.0, 0.0]])
+    values = torch.tensor([[0.5, 0.6, 0.7], [0.1, 0.2, 9.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])
+    advantages, returns = ppo.gae(rewards, values, mask, gamma=1.0, lam=0.95)
+    expected = torch.tensor([[0.46575, 0.385, 0.3], [1.81, 1.8, 0.0]])
+    assert torch.allclose(advantages, expected, atol=1e-6)
+    assert torch.allclose(returns, (expected + torch.tensor([[0.5, 0.6, 0.7], [0.1, 0.2, 0.0]])) * mask, atol=1e-6)
+
+
+def test_gae_with_discount():
+    """gamma = 0.5, lambda = 1: A_t is the discounted return minus V_t (Monte Carlo)."""
+    rewards, values = torch.tensor([[1.0, 2.0]]), torch.tensor([[0.25, 0.5]])
+    advantages, _ = ppo.gae(rewards, values, torch.ones(1, 2), gamma=0.5, lam=1.0)
+    assert torch.allclose(advantages, torch.tensor([[1.0 + 0.5 * 2.0 - 0.25, 2.0 - 0.5]]))
+
+
+def test_whitening_ignores_padding():
+    """Mean 0 and variance 1 over the real positions only; pad positions come back 0 whatever they held."""
+    x = torch.tensor([[1.0, 2.0, 3.0], [4.0, 100.0, -50.0]])
+    mask = torch.tensor([[1.0, 1.0, 1.0], [1.0, 0.0, 0.0]])
+    out = ppo.masked_whiten(x, mask)
+    real = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    expected = (real - real.mean()) / real.var(unbiased=False).sqrt()
+    assert torch.allclose(out[mask.bool()], expected, atol=1e-5)
+    assert torch.equal(out[~mask.bool()], torch.zeros(2))
+    x2 = x.clone()
+    x2[1, 1:] = torch.tensor([-7.0, 3e4])
+    assert torch.equal(ppo.masked_whiten(x2, mask), out)
+
+
+def test_reward_sits_on_the_last_real_response_token():
+    """Score on the last real token; -beta * (logp - logp_ref) on every real token; nothing on padding."""
+    scores = torch.tensor([5.0, -1.0])
+    logp = torch.tensor([[-1.0, -2.0, -3.0], [-1.0, -1.0, -1.0]])
+    ref = torch.tensor([[-1.5, -2.0, -2.0], [-1.0, -1.0, -1.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    rewards = ppo.kl_penalised_rewards(scores, logp, ref, mask, kl_coef=0.1)
+    expected = torch.tensor([[-0.1 * 0.5, 5.0, 0.0], [0.0, 0.0, -1.0]])
+    assert torch.allclose(rewards, expected)
+
+
+def test_response_mask_stops_after_the_first_eos():
+    responses = torch.tensor([[7, 102, 102, 102], [7, 8, 9, 10], [102, 102, 102, 102]])
+    assert ppo.response_mask_after(responses, 102).tolist() == [[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]]
+
+
+def test_ppo_losses_by_hand():
+    """Ratio e^0.5 = 1.6487 > 1.2 with A = +1: the clipped term wins (-1.2), clip fraction 1/2; value loss clipped."""
+    logp = torch.tensor([[0.5, 0.0]])
+    old = torch.zeros(1, 2)
+    adv = torch.tensor([[1.0, -2.0]])
+    values, old_values, returns = torch.tensor([[1.0, 0.0]]), torch.zeros(1, 2), torch.tensor([[2.0, 0.0]])
+    policy_loss, value_loss, clip_fraction, approx_kl = ppo.ppo_losses(
+        logp, old, adv, values, old_values, returns, torch.ones(1, 2), cliprange=0.2, cliprange_value=0.2)
+    assert policy_loss.item() == pytest.approx((-1.2 + 2.0) / 2)
+    assert clip_fraction.item() == pytest.approx(0.5)
+    # position 0: unclipped (1-2)^2 = 1, clipped (0.2-2)^2 = 3.24 -> max 3.24; position 1: 0
+    assert value_loss.item() == pytest.approx(0.5 * 3.24 / 2)
+    assert approx_kl.item() == pytest.approx(0.5 * 0.25 / 2)
+
+
+def test_entropy_of_a_uniform_distribution_is_log_v():
+    assert ppo.entropy_from_logits(torch.zeros(1, 1, 8)).item() == pytest.approx(torch.log(torch.tensor(8.0)).item())
+
+
+def tiny_models(seed=0):
+    torch.manual_seed(seed)
+    cfg = get_preset("tiny").replace(tie_embeddings=False)
+    policy = GPTModel(cfg).eval()
+    reward = RewardModel(cfg).eval()
+    return policy, copy.deepcopy(policy), reward
+
+
+def test_kl_is_zero_and_ratio_is_one_before_the_first_update(tokenizer):
+    """Dropout off: the reference equals the policy, so the rollout's KL is exactly 0, and recomputing the
+    log-probs through the training module gives a ratio of exactly 1."""
+    policy, ref, reward = tiny_models()
+    critic = copy.deepcopy(reward)
+    args = types.SimpleNamespace(max_new_tokens=6, temperature=1.0)
+    torch.manual_seed(3)
+    data = ppo.rollout(policy, ref, critic, reward, ["写一条好评：", "你好", "解释词语：明月"], tokenizer, args,
+                       64, "cpu")
+    assert torch.equal(data["logprobs"], data["ref_logprobs"])
+    P = data["prompt_len"]
+    with torch.no_grad():
+        out = ppo.PolicyAndCritic(policy, critic).eval()(data["input_ids"], data["attention_mask"])
+    new_logp = ppo.token_logprobs(out["logits"][:, P - 1:-1], data["input_ids"][:, P:])
+    assert torch.equal(torch.exp(new_logp - data["logprobs"]), torch.ones_like(new_logp))
+    assert torch.equal(out["values"][:, P - 1:-1], data["values"])
+
+
+def test_rollout_scores_each_response_like_the_reward_model_alone(tokenizer):
+    """The batched, left-padded rollout scores each row exactly as the RM scores that sequence on its own."""
+    policy, ref, reward = tiny_models(1)
+    args = types.SimpleNamespace(max_new_tokens=5, temperature=1.0)
+    data = ppo.rollout(policy, ref, reward, reward, ["短", "一个长一点的提示"], tokenizer, args, 64, "cpu")
+    for row in range(2):
+        real = data["attention_mask"][row].bool()
+        alone = reward(data["input_ids"][row][real][None])["rewards"]
+        assert data["scores"][row].item() == pytest.approx(alone.item(), abs=1e-5)
+
+
+@pytest.fixture(scope="module")
+def ppo_parents(tmp_path_factory, tiny_pretrain_checkpoint):
+    """A tiny policy (the pretrain checkpoint stands in for SFT) and a tiny reward model built on it."""
+    model, tok, _ = load_checkpoint(str(tiny_pretrain_checkpoint), "gpt")
+    torch.manual_seed(0)
+    rm = RewardModel(model.cfg)
+    rm.backbone.load_state_dict(model.state_dict())
+    rm_dir = tmp_path_factory.mktemp("rm") / "rm"
+    save_checkpoint(str(rm_dir), rm, tok, {"stage": "rm"})
+    prompts = tmp_path_factory.mktemp("prompts")
+    (prompts / "p.jsonl").write_text("".join(json.dumps({"prompt": f"写一条好评：第{i}条"}, ensure_ascii=False) + "\n"
+                                             for i in range(12)), encoding="utf-8")
+    return tiny_pretrain_checkpoint, rm_dir, prompts / "p.jsonl"
+
+
+def run_ppo(out, parents, *extra):
+    policy, rm, prompts = parents
+    return run_script("3-PPO.py", "--preset", "tiny", "--policy", policy, "--reward", rm, "--prompts_file", prompts,
+                      "--val_prompts_file", prompts, "--output_dir", out, *extra)
+
+
+@pytest.mark.slow
+def test_ppo_script_runs_and_resumes_exactly(tmp_path, ppo_parents):
+    """4 iterations straight == 2, stop, --resume 2 more (rollout sampling, critic, optimizer and beta restored);
+    the checkpoint is a GPT policy that records its parents and the held-out score gain."""
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    result = run_ppo(straight, ppo_parents)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert run_ppo(resumed, ppo_parents, "--stop_after", "2").returncode == 0
+    assert (resumed / "state" / "critic.safetensors").exists()
+    result = run_ppo(resumed, ppo_parents, "--resume")
+    assert result.returncode == 0, result.stderr[-2000:]
+    a, b = load_file(straight / "model.safetensors"), load_file(resumed / "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    config = json.loads((straight / "config.json").read_text(encoding="utf-8"))
+    assert config["stage"] == "ppo" and config["model_type"] == "gpt"
+    assert set(config["metrics"]) >= {"val_score_sft", "val_score_ppo", "val_score_gain", "kl"}
+    rows = [json.loads(r) for r in (straight / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["kl"] == 0.0  # the first rollout comes from the untouched policy
+    assert {"score", "kl", "clip_fraction", "entropy", "value_loss"} <= set(rows[-1])
+    assert (straight / "curves.png").exists() and (straight / "samples.md").exists()
+
+
+def test_missing_reward_model_is_a_one_line_error(tmp_path, ppo_parents):
+    policy, _, prompts = ppo_parents
+    result = run_script("3-PPO.py", "--preset", "tiny", "--policy", policy, "--reward", tmp_path / "no-rm",
+                        "--prompts_file", prompts, "--val_prompts_file", prompts, "--output_dir", tmp_path / "out")
+    assert result.returncode == 2 and "no-rm" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
