@@ -90,10 +90,11 @@ def save_checkpoint(output_dir: str, model, tokenizer, meta: dict, write_state=N
             write_state(os.path.join(tmp, STATE_DIR))
         _replace_dir(tmp, output_dir)
     except OSError as e:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
         raise UserError(f"could not write checkpoint {output_dir}: {e.strerror or e}; free some disk space or "
                         f"choose another --output_dir (the previous checkpoint is unchanged)") from e
+    finally:
+        if tmp is not None and os.path.exists(tmp):  # a failed or interrupted write leaves nothing behind
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _replace_dir(new: str, target: str) -> None:

@@ -26,6 +26,17 @@ def run(main, argv=None) -> None:
     sys.exit(code or 0)
 
 
+class ArgumentParser(argparse.ArgumentParser):
+    """``argparse.ArgumentParser`` whose errors are one line (no usage block) with exit code 2, like ``run``."""
+
+    def __init__(self, **kwargs):
+        kwargs.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
+        super().__init__(**kwargs)
+
+    def error(self, message):
+        self.exit(2, f"error: {message}; see {self.prog} --help\n")
+
+
 def positive_int(text: str) -> int:
     value = int(text)
     if value <= 0:
@@ -61,14 +72,14 @@ def probability(text: str) -> float:
     return value
 
 
-def stage_parser(description: str, output_dir: str) -> argparse.ArgumentParser:
+def stage_parser(description: str, output_dir: str) -> ArgumentParser:
     """An ``ArgumentParser`` with the flags every training stage shares (design.md section 1).
 
     The stage adds its own data and model-source flags (``--init``, ``--policy``/``--reward``) after this.
     """
     from gpt_model import PRESETS
 
-    p = argparse.ArgumentParser(description=description, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = ArgumentParser(description=description)
     p.add_argument("--preset", default="demo", choices=sorted(PRESETS), help="size preset: model and run length")
     p.add_argument("--output_dir", default=output_dir, help="where the stage checkpoint is written")
     p.add_argument("--overwrite", action="store_true", help="replace an existing checkpoint in --output_dir")

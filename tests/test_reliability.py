@@ -1,0 +1,211 @@
+"""Reliability and safety across stages: interruption, atomic and pickle-free checkpoints, and bad input that must
+end in one line on stderr, exit code 2, and nothing written or lost."""
+
+import errno
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import threading
+
+import pytest
+import torch
+
+import checkpoint
+from checkpoint import load_checkpoint, load_pickle_free, load_weights_into, save_checkpoint
+from cli import UserError
+from conftest import REPO_ROOT, run_script
+from corpus import load_text_documents, read_jsonl
+from gpt_model import GPTModel, get_preset
+
+
+def snapshot(directory):
+    return {p.relative_to(directory): p.read_bytes() for p in directory.rglob("*") if p.is_file()}
+
+
+def one_line_error(result, *needles):
+    assert result.returncode == 2, (result.returncode, result.stderr[-1500:])
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:"), result.stderr[-1500:]
+    for needle in needles:
+        assert needle in lines[0]
+
+
+# --- interruption ------------------------------------------------------------------------------------------------
+
+@pytest.mark.slow
+def test_ctrl_c_saves_a_resumable_state_and_resume_finishes(tmp_path, tiny_corpus):
+    """SIGINT mid-run: the step finishes, state/ is saved, the exit code is 130 with a --resume hint; --resume then
+    completes the run."""
+    out = tmp_path / "run"
+    args = [sys.executable, "0-PRETRAIN.py", "--preset", "tiny", "--max_steps", "400", "--eval_every", "400",
+            "--train_files", str(tiny_corpus / "train.txt"), "--val_files", str(tiny_corpus / "val.txt"),
+            "--output_dir", str(out)]
+    proc = subprocess.Popen(args, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    seen = threading.Event()
+    err_lines = []
+
+    def watch():
+        for chunk in iter(lambda: proc.stderr.read(64), ""):
+            err_lines.append(chunk)
+            if " 3/400" in "".join(err_lines[-4:]):  # the progress bar has shown step 3
+                seen.set()
+
+    threading.Thread(target=watch, daemon=True).start()
+    assert seen.wait(300), "training never started"
+    proc.send_signal(signal.SIGINT)
+    stdout, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 128 + signal.SIGINT
+    assert "--resume" in stdout
+    assert (out / "state" / "trainer_state.json").exists() and (out / "model.safetensors").exists()
+    result = run_script(*args[1:], "--resume")
+    assert result.returncode == 0, result.stderr[-1500:]
+    assert not (out / "state").exists()
+
+
+# --- checkpoints: atomic, never silently replaced, never unpickled ----------------------------------------------
+
+def tiny_model(**changes):
+    torch.manual_seed(0)
+    return GPTModel(get_preset("tiny").replace(**changes))
+
+
+def test_disk_full_while_saving_keeps_the_old_checkpoint(tmp_path, tokenizer):
+    """ENOSPC halfway through a save: a one-line UserError, the previous checkpoint byte-identical, no temp dir."""
+    out = tmp_path / "ckpt"
+    save_checkpoint(str(out), tiny_model(), tokenizer, {"stage": "pretrain", "step": 1})
+    before = snapshot(out)
+
+    def disk_full(state_dir):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    with pytest.raises(UserError, match="No space left on device"):
+        save_checkpoint(str(out), tiny_model(n_layers=1), tokenizer, {"stage": "pretrain", "step": 2}, disk_full)
+    assert snapshot(out) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def test_interrupted_save_leaves_the_old_checkpoint(tmp_path, tokenizer):
+    """A KeyboardInterrupt during a write (the closest a test gets to a kill) leaves the old checkpoint in place."""
+    out = tmp_path / "ckpt"
+    save_checkpoint(str(out), tiny_model(), tokenizer, {"stage": "pretrain"})
+    before = snapshot(out)
+
+    def interrupted(state_dir):
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint(str(out), tiny_model(), tokenizer, {"stage": "pretrain"}, interrupted)
+    assert snapshot(out) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+class RunsCode:
+    """Unpickling this would create the marker file: what a malicious checkpoint does."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_a_pickle_that_would_run_code_is_refused(tmp_path):
+    marker = tmp_path / "pwned"
+    path = tmp_path / "pytorch_model.bin"
+    with open(path, "wb") as f:
+        pickle.dump({"weight": RunsCode(str(marker))}, f)
+    with pytest.raises(UserError, match="refusing to load"):
+        load_pickle_free(str(path))
+    assert not marker.exists()
+    torch.save({"weight": torch.ones(2)}, tmp_path / "plain.bin")  # plain tensors still load
+    assert torch.equal(load_pickle_free(str(tmp_path / "plain.bin"))["weight"], torch.ones(2))
+
+
+def test_weights_file_replaced_by_a_pickle_is_refused(tmp_path, tokenizer):
+    """Checkpoints are read with safetensors only: a pickle in model.safetensors is an error, never executed."""
+    out = tmp_path / "ckpt"
+    save_checkpoint(str(out), tiny_model(), tokenizer, {"stage": "pretrain"})
+    marker = tmp_path / "pwned"
+    with open(out / "model.safetensors", "wb") as f:
+        pickle.dump(RunsCode(str(marker)), f)
+    with pytest.raises(UserError, match="model.safetensors"):
+        load_checkpoint(str(out))
+    assert not marker.exists()
+
+
+def test_checkpoint_from_another_vocab_or_architecture(tmp_path, tokenizer):
+    """Loading into the wrong vocabulary or shape fails with one message naming both sides."""
+    out = tmp_path / "ckpt"
+    save_checkpoint(str(out), tiny_model(), tokenizer, {"stage": "pretrain"})
+    with pytest.raises(UserError, match="vocab_size 21128 but this run uses 50257"):
+        load_checkpoint(str(out), expect_vocab_size=50257)
+    with pytest.raises(UserError, match=r"n_layers.*\(2, 3\)"):
+        load_weights_into(tiny_model(n_layers=3), str(out))
+    config = (out / "config.json").read_text(encoding="utf-8").replace('"emb_dim": 32', '"emb_dim": 64')
+    (out / "config.json").write_text(config, encoding="utf-8")
+    with pytest.raises(UserError, match="does not fit its config"):
+        load_checkpoint(str(out))
+
+
+def test_reward_checkpoint_required_where_a_reward_model_is_needed(tmp_path, tokenizer):
+    out = tmp_path / "ckpt"
+    save_checkpoint(str(out), tiny_model(), tokenizer, {"stage": "sft"})
+    with pytest.raises(UserError, match="reward model is needed"):
+        load_checkpoint(str(out), "reward")
+
+
+# --- bad data files -----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("content, message", [
+    (b"", "is empty"),
+    (b'{"text": "\xff\xfe bad"}\n', "not UTF-8"),
+    (b'{"prompt": "hi"}\n', "field 'response' is missing"),
+    (b'{"prompt": "hi", "response": 3}\n', "field 'response' is not a non-empty string (int)"),
+    (b'{"prompt": "hi", "response": "   "}\n', "field 'response' is not a non-empty string"),
+    (b'{"prompt": "hi", "response": "ok"}\n{"prompt": \n', "line 2 is not valid JSON"),
+    (b'["prompt", "response"]\n', "not a JSON object"),
+    (b"\n\n", "holds no rows"),
+])
+def test_bad_jsonl_lines_name_the_file_and_line(tmp_path, content, message):
+    path = tmp_path / "pairs.jsonl"
+    path.write_bytes(content)
+    with pytest.raises(UserError) as info:
+        if content:
+            read_jsonl(str(path), ("prompt", "response"))
+        else:
+            load_text_documents([str(path)], "--train_files")
+    assert message in str(info.value) and "pairs.jsonl" in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_non_utf8_text_file(tmp_path):
+    (tmp_path / "gbk.txt").write_bytes("中文".encode("gbk"))
+    with pytest.raises(UserError, match="gbk.txt is not UTF-8"):
+        load_text_documents([str(tmp_path / "gbk.txt")], "--train_files")
+
+
+# --- bad command lines: one line, exit 2, nothing written ---------------------------------------------------------
+
+@pytest.mark.parametrize("extra, needle", [
+    (["--batch_size", "0"], "--batch_size"),
+    (["--learning_rate", "-0.1"], "--learning_rate"),
+    (["--context_length", "999"], "--context_length 999"),
+    (["--preset", "huge"], "--preset"),
+    (["--train_files", "missing/*.txt"], "missing/*.txt"),
+])
+def test_impossible_settings_stop_before_anything_is_written(tmp_path, tiny_corpus, extra, needle):
+    out = tmp_path / "out"
+    base = ["--preset", "tiny", "--train_files", tiny_corpus / "train.txt", "--val_files", tiny_corpus / "val.txt",
+            "--output_dir", out]
+    result = run_script("0-PRETRAIN.py", *base, *extra)
+    one_line_error(result, needle)
+    assert not out.exists()
+
+
+def test_resume_without_a_saved_state(tmp_path, tiny_corpus):
+    result = run_script("0-PRETRAIN.py", "--preset", "tiny", "--output_dir", tmp_path / "none", "--resume",
+                        "--train_files", tiny_corpus / "train.txt", "--val_files", tiny_corpus / "val.txt")
+    one_line_error(result, "--resume")
