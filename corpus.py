@@ -9,6 +9,11 @@
   ``labels = tokens[iL+1 : iL+L+1]``, the same tokens shifted by one. Only the flat token array stays in memory
   (int32: 4 bytes per token).
 * ``pad_right(sequences)``: variable-length id lists -> a right-padded ``input_ids`` and its ``attention_mask``.
+* ``chat_example`` / ``ChatPairs`` / ``collate_chat``: (prompt, response) pairs through the chat template into
+  supervised fine-tuning examples: ``input_ids = ids[:-1]`` and ``labels = ids[1:]`` kept only where the next token
+  belongs to the response (-100 elsewhere), right-padded into batches with an ``attention_mask``.
+* ``length_grouped_batches(lengths, batch_size)``: examples of similar length grouped into fixed batches, so a
+  batch wastes little padding; a ``training.BatchSchedule`` then shuffles whole batches.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ import os
 import numpy as np
 import torch
 
-from chinese_tokenizer import PAD_ID, SEP_ID, normalize_text
+from chinese_tokenizer import PAD_ID, SEP_ID, apply_chat_template, normalize_text
 from cli import UserError
 
 
@@ -152,3 +157,84 @@ def pad_right(sequences, pad_id: int = PAD_ID) -> dict:
         input_ids[row, :len(seq)] = torch.as_tensor(seq, dtype=torch.long)
         attention_mask[row, :len(seq)] = 1
     return {"input_ids": input_ids, "attention_mask": attention_mask}
+
+
+def chat_example(input_ids: list[int], response_mask: list[int]) -> tuple[list[int], list[int]]:
+    """One chat-template sequence -> (inputs, labels) for next-token training on the response only.
+
+    The shift happens here and only here: position t reads ``input_ids[t]`` and is trained to predict
+    ``input_ids[t + 1]``, so ``inputs = input_ids[:-1]`` and ``labels[t] = input_ids[t + 1]`` where
+    ``response_mask[t + 1]`` is 1, else -100. The ``[ANS]`` position therefore learns the first response token and
+    the last response token learns the closing ``[SEP]``; nothing is learned about the prompt.
+    ``gpt_model.next_token_loss`` takes these labels as they are (it does not shift again).
+    """
+    labels = [token if in_response else -100 for token, in_response in zip(input_ids[1:], response_mask[1:])]
+    return input_ids[:-1], labels
+
+
+def collate_chat(examples) -> dict:
+    """(inputs, labels) pairs of any lengths -> {"input_ids", "labels", "attention_mask"}, each (B, T).
+
+    Right padding: ``[PAD]`` ids with label -100 and attention 0 after each row's tokens, so padding changes
+    neither the real positions' outputs nor the loss.
+    """
+    batch = pad_right([inputs for inputs, _ in examples])
+    labels = torch.full_like(batch["input_ids"], -100)  # (B, T)
+    for row, (_, row_labels) in enumerate(examples):
+        labels[row, :len(row_labels)] = torch.as_tensor(row_labels, dtype=torch.long)
+    batch["labels"] = labels
+    return batch
+
+
+def length_grouped_batches(lengths, batch_size: int) -> list[list[int]]:
+    """Example indices sorted by length (ties by index) and cut into consecutive batches of ``batch_size``.
+
+    The grouping is fixed once, so it is a pure function of the data: shuffling the batches (not the examples)
+    with a ``BatchSchedule`` keeps exact resume and still pads little. The last batch may be smaller.
+    """
+    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
+    return [order[start:start + batch_size] for start in range(0, len(order), batch_size)]
+
+
+class ChatPairs:
+    """{"prompt", "response"} rows laid out by ``apply_chat_template`` as supervised fine-tuning examples.
+
+    ``max_length`` is how many positions the model reads per example (at most its ``context_length``); a pair
+    whose template is longer than ``max_length + 1`` tokens loses the start of its prompt (its response too, from
+    the right, only if the response alone does not fit). Nothing is dropped: ``num_truncated`` counts the cut
+    pairs and ``num_response_cut`` those among them that lost part of the response.
+
+    ``len(pairs)``; ``pairs[i]`` is ``(inputs, labels)`` (lists, see ``chat_example``); ``pairs.lengths[i]`` is
+    ``len(inputs)``; ``pairs.collate(indices)`` is a padded batch (see ``collate_chat``).
+    """
+
+    def __init__(self, rows, tokenizer, max_length: int):
+        if max_length < 3:
+            raise ValueError(f"max_length must be >= 3 ([CLS], one prompt token, [ANS]), got {max_length}")
+        self.rows, self.max_length = rows, max_length
+        self.examples, self.num_truncated, self.num_response_cut = [], 0, 0
+        for row in rows:
+            ids, mask, truncated = apply_chat_template(row["prompt"], row["response"], tokenizer, max_length + 1)
+            self.num_truncated += truncated
+            self.num_response_cut += ids[-1] != SEP_ID  # the closing [SEP] is the first thing a response cut loses
+            self.examples.append(chat_example(ids, mask))
+        self.lengths = [len(inputs) for inputs, _ in self.examples]
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def __getitem__(self, i: int):
+        return self.examples[i]
+
+    def collate(self, indices) -> dict:
+        """Example indices -> {"input_ids", "labels", "attention_mask"}, each (B, T), T the longest in the batch."""
+        return collate_chat([self.examples[i] for i in indices])
+
+    def truncation_warning(self, what: str) -> str | None:
+        """One line saying how many pairs were cut, or None if none was."""
+        if not self.num_truncated:
+            return None
+        response = f", {self.num_response_cut} of them also lost the end of the response" if self.num_response_cut \
+            else ""
+        return (f"warning: {self.num_truncated} of {len(self)} {what} pairs are longer than {self.max_length + 1} "
+                f"tokens; their prompts were cut from the left{response} (raise --max_length or shorten them)")

@@ -1,0 +1,212 @@
+"""Tests for supervised fine-tuning: the response-only labels and batches (corpus.py) and 1-SFT.py end to end."""
+
+import hashlib
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import chinese_tokenizer as ct
+from checkpoint import load_checkpoint
+from cli import run
+from corpus import ChatPairs, chat_example, collate_chat, length_grouped_batches
+from gpt_model import GPTModel, generate, get_preset, next_token_loss
+
+REPO = Path(__file__).resolve().parent.parent
+CLS, ANS, SEP, PAD = ct.CLS_ID, ct.ANSWER_ID, ct.SEP_ID, ct.PAD_ID
+
+
+def load_script(name: str, filename: str):
+    spec = importlib.util.spec_from_file_location(name, REPO / filename)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+SFT = load_script("sft_stage", "1-SFT.py")
+
+
+def char_ids(text, tokenizer):
+    """Ids of a text of single-character vocab tokens, looked up one by one (independent of encode)."""
+    return tokenizer.convert_tokens_to_ids(list(text))
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    return str(path)
+
+
+def run_main(module, argv) -> int:
+    """Run a stage's ``main`` through ``cli.run`` (as ``python X.py`` does) and return the exit code."""
+    with pytest.raises(SystemExit) as exit_info:
+        run(module.main, [str(a) for a in argv])
+    return exit_info.value.code
+
+
+def dir_digest(path: Path) -> dict:
+    return {str(p.relative_to(path)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+# --- labels, shift, padding, loss ------------------------------------------------------------------------------
+
+def test_labels_are_shifted_exactly_once(tokenizer):
+    """[CLS] 你 好 [ANS] 好 的 [SEP]: the model reads all but [SEP]; [ANS] predicts 好, the last 的 predicts [SEP]."""
+    ni, hao, de = char_ids("你好的", tokenizer)
+    ids, mask, truncated = ct.apply_chat_template("你好", "好的", tokenizer)
+    assert ids == [CLS, ni, hao, ANS, hao, de, SEP] and not truncated
+    inputs, labels = chat_example(ids, mask)
+    assert inputs == [CLS, ni, hao, ANS, hao, de]
+    assert labels == [-100, -100, -100, hao, de, SEP]
+
+
+def test_collate_pads_on_the_right(tokenizer):
+    short = ([CLS, 7, ANS, 8], [-100, -100, 8, SEP])
+    long = ([CLS, 7, 9, 9, ANS, 8], [-100, -100, -100, -100, 8, SEP])
+    batch = collate_chat([short, long])
+    assert batch["input_ids"].tolist() == [[CLS, 7, ANS, 8, PAD, PAD], [CLS, 7, 9, 9, ANS, 8]]
+    assert batch["labels"].tolist() == [[-100, -100, 8, SEP, -100, -100], [-100, -100, -100, -100, 8, SEP]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1, 1, 0, 0], [1] * 6]
+
+
+def test_loss_is_masked_cross_entropy_on_the_response_only(tokenizer):
+    """next_token_loss on a collated batch == a hand loop over response positions; pad content and prompt-side
+    targets do not matter, response targets do."""
+    torch.manual_seed(0)
+    model = GPTModel(get_preset("tiny")).eval()
+    pairs = [("今天天气怎么样", "很好"), ("你好", "你好呀朋友")]
+    templated = [ct.apply_chat_template(p, r, tokenizer) for p, r in pairs]
+    batch = collate_chat([chat_example(ids, mask) for ids, mask, _ in templated])
+    logits = model(batch["input_ids"], attention_mask=batch["attention_mask"])["logits"]  # (2, T, V)
+    loss = next_token_loss(logits, batch["labels"])
+
+    terms = []  # by hand: position t is scored on ids[t + 1] exactly when ids[t + 1] is a response token
+    for row, (ids, mask, _) in enumerate(templated):
+        for t in range(len(ids) - 1):
+            if mask[t + 1]:
+                terms.append(-torch.log_softmax(logits[row, t].double(), dim=-1)[ids[t + 1]])
+    assert len(terms) == (2 + 1) + (5 + 1)  # response characters + [SEP] per row
+    assert loss.item() == pytest.approx(torch.stack(terms).mean().item(), rel=1e-5)
+
+    noisy = batch["input_ids"].clone()  # other tokens in the padding: same outputs at the real positions
+    pad = batch["attention_mask"] == 0
+    assert pad.any()
+    noisy[pad] = torch.randint(200, 8000, (int(pad.sum()),))
+    noisy_logits = model(noisy, attention_mask=batch["attention_mask"])["logits"]
+    assert next_token_loss(noisy_logits, batch["labels"]).item() == pytest.approx(loss.item(), abs=1e-6)
+
+    # another prompt of the same length: the very same labels, so the same loss for the same logits
+    _, other_labels = chat_example(*ct.apply_chat_template("明天会不会下雨", "很好", tokenizer)[:2])
+    assert other_labels == batch["labels"][0, :len(other_labels)].tolist()
+
+    changed = batch["labels"].clone()  # a response target does count
+    first_answer = int((changed[0] != -100).nonzero()[0])
+    changed[0, first_answer] = 1234
+    assert next_token_loss(logits, changed).item() != pytest.approx(loss.item(), abs=1e-4)
+
+
+def test_truncation_cuts_the_prompt_from_the_left_and_counts(tokenizer):
+    long_prompt = "一二三四五六七八九十" * 3
+    rows = [{"prompt": long_prompt, "response": "好的"}, {"prompt": "你好", "response": "在"},
+            {"prompt": "说", "response": "天地玄黄宇宙洪荒日月盈昃"}]
+    pairs = ChatPairs(rows, tokenizer, max_length=9)
+    assert len(pairs) == 3 and pairs.num_truncated == 2 and pairs.num_response_cut == 1
+    inputs, labels = pairs[0]
+    # 10 template tokens: [CLS] + the last 5 prompt characters + [ANS] + 好 的 [SEP]; the model reads 9
+    assert inputs == [CLS] + char_ids("六七八九十", tokenizer) + [ANS] + char_ids("好的", tokenizer)
+    assert labels == [-100] * 6 + char_ids("好的", tokenizer) + [SEP]
+    assert pairs[1] == ([CLS] + char_ids("你好", tokenizer) + [ANS] + char_ids("在", tokenizer),
+                        [-100, -100, -100] + char_ids("在", tokenizer) + [SEP])
+    assert max(pairs.lengths) <= 9
+    warning = pairs.truncation_warning("train")
+    assert "2 of 3 train pairs" in warning and "1 of them" in warning and "\n" not in warning
+    assert ChatPairs(rows[1:2], tokenizer, 9).truncation_warning("train") is None
+
+
+def test_length_grouped_batches_by_hand():
+    assert length_grouped_batches([5, 1, 3, 1, 4], 2) == [[1, 3], [2, 4], [0]]
+    assert length_grouped_batches([2, 2, 2], 5) == [[0, 1, 2]]
+
+
+def test_sample_prompts_include_reviews_and_xiehouyu():
+    rows = [{"prompt": p, "response": "x"} for p in
+            ("解释词语：甲", "你好", "写一条好评。", "补全歇后语：猫哭老鼠——", "写一条差评。", "乙——下一句是什么？")]
+    picked = SFT.pick_sample_rows(rows, 6)
+    assert picked[:5] == [2, 4, 3, 5, 0] and sorted(picked) == list(range(6))
+    assert len(SFT.pick_sample_rows(rows, 3)) == 3
+
+
+# --- 1-SFT.py end to end (in-process, tiny model) ----------------------------------------------------------------
+
+PAIRS = [("你好", "你好呀"), ("一加一等于几？", "等于二"), ("天空是什么颜色？", "蓝色"), ("补全歇后语：猫哭老鼠——", "假慈悲")]
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    """Tiny data and a tiny pretrain checkpoint made by 0-PRETRAIN.py."""
+    root = tmp_path_factory.mktemp("sft")
+    text = {"text": "春眠不觉晓，处处闻啼鸟。夜来风雨声，花落知多少。床前明月光，疑是地上霜。" * 3}
+    train_text, val_text = write_jsonl(root / "text.jsonl", [text]), write_jsonl(root / "val_text.jsonl", [text])
+    write_jsonl(root / "pairs.jsonl", [{"prompt": p, "response": r} for p, r in PAIRS])
+    pretrain = load_script("pretrain_stage", "0-PRETRAIN.py")
+    code = run_main(pretrain, ["--preset", "tiny", "--max_steps", 2, "--batch_size", 1, "--eval_every", 2,
+                               "--train_files", train_text, "--val_files", val_text,
+                               "--output_dir", root / "pretrain"])
+    assert code == 0
+    return root
+
+
+def sft_args(root, output_dir, *extra, pairs="pairs.jsonl"):
+    return ["--preset", "tiny", "--init", root / "pretrain", "--train_files", root / pairs,
+            "--val_files", root / pairs, "--output_dir", output_dir, *extra]
+
+
+@pytest.mark.slow
+def test_sft_memorises_pairs_and_stops_at_sep(workdir, tokenizer):
+    out = workdir / "sft"
+    assert run_main(SFT, sft_args(workdir, out, "--max_steps", 40, "--learning_rate", 1e-2, "--eval_every", 40)) == 0
+    config = json.loads((out / "config.json").read_text(encoding="utf-8"))
+    assert config["stage"] == "sft" and config["step"] == 40
+    assert config["metrics"]["val_loss"] < 0.5 < config["metrics"]["val_loss_before_sft"]
+
+    model, _, _ = load_checkpoint(str(out), "gpt")  # answered here without the script's helpers
+    for prompt, response in PAIRS:
+        idx = torch.tensor([[CLS] + ct.encode(prompt, tokenizer) + [ANS]])  # (1, P)
+        new = generate(model, idx, 20, 64, eos_id=SEP)[0, idx.shape[1]:].tolist()
+        assert new == ct.encode(response, tokenizer) + [SEP]  # the answer, then [SEP], then nothing more
+
+    samples = (out / "samples.md").read_text(encoding="utf-8")
+    for prompt, response in PAIRS:
+        assert f"| {prompt} | {response} | {response} |" in samples
+
+    before = dir_digest(out)  # a second run without --overwrite refuses and touches nothing
+    assert run_main(SFT, sft_args(workdir, out, "--max_steps", 2)) == 2
+    assert dir_digest(out) == before
+
+
+@pytest.mark.slow
+def test_resume_is_bit_identical(workdir):
+    rows = [{"prompt": p + "？" * k, "response": r} for k in range(2) for p, r in PAIRS]
+    write_jsonl(workdir / "pairs8.jsonl", rows)  # 8 pairs, batches of 2: the order of batches matters
+    common = ["--max_steps", 6, "--batch_size", 2, "--eval_every", 6, "--num_samples", 1]
+    straight, halves = workdir / "straight", workdir / "halves"
+    assert run_main(SFT, sft_args(workdir, straight, *common, pairs="pairs8.jsonl")) == 0
+    assert run_main(SFT, sft_args(workdir, halves, *common, "--stop_after", 3, pairs="pairs8.jsonl")) == 0
+    assert json.loads((halves / "config.json").read_text())["step"] == 3 and (halves / "state").is_dir()
+    assert run_main(SFT, sft_args(workdir, halves, *common, "--resume", pairs="pairs8.jsonl")) == 0
+    assert (straight / "model.safetensors").read_bytes() == (halves / "model.safetensors").read_bytes()
+    assert not (halves / "state").exists()
+
+
+@pytest.mark.slow
+def test_missing_init_is_a_one_line_error(tmp_path):
+    result = subprocess.run([sys.executable, str(REPO / "1-SFT.py"), "--init", str(tmp_path / "nothing"),
+                             "--output_dir", str(tmp_path / "sft")], capture_output=True, text=True, cwd=REPO)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "0-PRETRAIN.py" in lines[0] and "--init" in lines[0]
+    assert not (tmp_path / "sft").exists()
