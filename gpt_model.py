@@ -351,6 +351,7 @@ class GPTModel(nn.Module):
         if attention_mask is None or bool(attention_mask.all()):
             positions = torch.arange(past_len, past_len + seq_len, device=input_ids.device).expand(batch_size, -1)
             visible = None  # plain causal attention: the fused kernel's fastest path
+            last_position = past_len + seq_len - 1  # known without reading the tensor back
         else:
             mask = attention_mask.bool()
             positions = (mask.long().cumsum(dim=1) - 1).clamp(min=0)[:, past_len:]  # (B, T)
@@ -359,8 +360,9 @@ class GPTModel(nn.Module):
             own = torch.zeros_like(visible)
             own[:, torch.arange(seq_len), torch.arange(past_len, past_len + seq_len)] = True
             visible = (visible | own)[:, None]  # (B, 1, T, T_past + T)
-        if int(positions.max()) >= self.cfg.context_length:
-            raise ValueError(f"position {int(positions.max())} is past the model's context_length "
+            last_position = int(positions.max())
+        if last_position >= self.cfg.context_length:
+            raise ValueError(f"position {last_position} is past the model's context_length "
                              f"{self.cfg.context_length}; keep at most the last {self.cfg.context_length} tokens")
 
         x = self.tok_emb(input_ids)  # (B, T, E)
@@ -496,14 +498,16 @@ def generate(model, idx, max_new_tokens, context_size, temperature=0.0, top_k=No
         raise ValueError(f"repetition_penalty must be > 0, got {repetition_penalty}")
     was_training = model.training
     model.eval()
-    if attention_mask is None:
-        attention_mask = torch.ones_like(idx)
+    padded = attention_mask is not None and not bool(attention_mask.all())
+    if not padded:
+        attention_mask = None  # no padding: the model needs no mask, so no step builds, checks or extends one
     finished = torch.zeros(idx.shape[0], dtype=torch.bool, device=idx.device)
     cache, logits = None, None
     for _ in range(max_new_tokens):
         if logits is None:
             # a full pass over the last context_size tokens; keep its keys/values while later steps still fit
-            window, window_mask = idx[:, -context_size:], attention_mask[:, -context_size:]
+            window = idx[:, -context_size:]
+            window_mask = attention_mask[:, -context_size:] if padded else None
             out = model(window, attention_mask=window_mask, use_cache=idx.shape[1] < context_size)
             cache, logits = out.get("past_key_values"), out["logits"][:, -1, :]  # (B, V)
         logits = logits.float()
@@ -518,7 +522,8 @@ def generate(model, idx, max_new_tokens, context_size, temperature=0.0, top_k=No
             next_ids = next_ids.masked_fill(finished, eos_id)
             finished |= next_ids == eos_id
         idx = torch.cat((idx, next_ids[:, None]), dim=1)  # (B, T + 1)
-        attention_mask = torch.cat((attention_mask, torch.ones_like(attention_mask[:, :1])), dim=1)
+        if padded:
+            attention_mask = torch.cat((attention_mask, torch.ones_like(attention_mask[:, :1])), dim=1)
         if stream is not None:
             stream(next_ids)
         if eos_id is not None and bool(finished.all()):
