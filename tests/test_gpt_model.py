@@ -896,3 +896,12 @@ def test_generate_refuses_an_empty_prompt():
     model = gm.GPTModel(gm.get_preset("tiny").replace(vocab_size=40))
     with pytest.raises(ValueError, match="empty"):
         gm.generate(model, torch.zeros(1, 0, dtype=torch.long), 3, 16)
+
+
+def test_sample_from_matches_the_probabilities():
+    """200k draws from [0.1, 0.2, 0, 0.7] land with those frequencies (±0.005); the zero-probability token never."""
+    torch.manual_seed(0)
+    probs = torch.tensor([[0.1, 0.2, 0.0, 0.7]]).expand(200_000, 4)
+    counts = torch.bincount(gm.sample_from(probs), minlength=4).float() / 200_000
+    assert counts[2] == 0
+    assert torch.allclose(counts, probs[0], atol=5e-3)
