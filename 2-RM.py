@@ -1,0 +1,339 @@
+"""Stage 2 — reward model: learn one number per answer that is higher for the answer people prefer.
+
+Story of the stage: arguments → data (preference pairs; each side laid out by the chat template
+``[CLS] prompt [ANS] response [SEP]``, exactly what PPO will generate) → model (the SFT checkpoint's GPT as the
+backbone plus a new ``Linear(emb_dim, 1)`` head read at each sequence's last real token: ``gpt_model.RewardModel``)
+→ the loop (chosen and rejected sides in one right-padded forward pass, Bradley–Terry loss
+``-log sigmoid(r_chosen - r_rejected)`` as in InstructGPT; val accuracy and margin every ``--eval_every`` steps)
+→ test accuracy and margin → checkpoint (``model_type: "reward"``, loadable by 3-PPO.py and generate.py --reward).
+
+A pointwise objective is also available: ``--objective pointwise`` trains binary cross-entropy on the score, from
+``{"text", "label"}`` lines (label 1 good, 0 bad; an optional "prompt") or from pair lines (chosen 1, rejected 0).
+
+    python 2-RM.py                                    # demo preset: --init checkpoints/sft, writes checkpoints/rm
+    python 2-RM.py --score --text "房间很干净，服务也好。" --text "太吵了，再也不来。"   # one score per line
+    python 2-RM.py --score --checkpoint checkpoints/rm --texts_file answers.jsonl
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+
+import torch
+from tqdm.auto import tqdm
+
+from checkpoint import (check_output_dir, command_line, load_checkpoint, load_weights_into, parent_meta, read_config,
+                        save_checkpoint)
+from chinese_tokenizer import TokenizerError, apply_chat_template, load_tokenizer
+from cli import UserError, default_path, fill_defaults, positive_float, positive_int, run, stage_parser
+from corpus import expand_files, pad_right, read_jsonl, read_lines
+from gpt_model import GPTConfig, RewardModel
+from reward import pair_metrics, pairwise_loss, pointwise_loss, score_texts
+from training import (BatchSchedule, MetricsLog, StopSignal, gather_rng_states, load_training_state, lr_at,
+                      make_accelerator, make_optimizer, save_training_state, set_lr, spread_subset)
+
+# Run length and optimisation per preset; every value can be overridden on the command line. The model's shape
+# comes from --init, so the preset only sets how long and how fast to train. Reviews are at most ~130 tokens with
+# their prompt, so max_length 128 cuts almost nothing.
+DEFAULTS = {
+    "tiny": dict(max_steps=30, batch_size=8, learning_rate=2e-3, warmup_steps=3, eval_every=15, eval_examples=64,
+                 max_length=64, head_lr_scale=10.0),
+    "demo": dict(max_steps=150, batch_size=16, learning_rate=5e-4, warmup_steps=15, eval_every=50,
+                 eval_examples=300, max_length=128, head_lr_scale=10.0),
+    "gpt2-zh-small": dict(max_steps=1500, batch_size=16, learning_rate=2e-5, warmup_steps=100, eval_every=250,
+                          eval_examples=1000, max_length=256, head_lr_scale=10.0, save_every=500),
+    "uer-gpt2-chinese": dict(max_steps=1500, batch_size=16, learning_rate=1e-5, warmup_steps=100, eval_every=250,
+                             eval_examples=1000, max_length=256, head_lr_scale=10.0, save_every=500),
+}
+PAIR_FIELDS = ("prompt", "chosen", "rejected")
+
+
+def parse_args(argv=None):
+    p = stage_parser("Stage 2: train a reward model on preference pairs (Bradley–Terry loss), or score texts with "
+                     "one (--score).", default_path("checkpoints", "rm"))
+    p.add_argument("--init", default=default_path("checkpoints", "sft"),
+                   help="GPT checkpoint whose weights start the backbone (the SFT stage's output)")
+    p.add_argument("--train_files", nargs="+", default=[default_path("data", "rm", "train.jsonl")],
+                   help='.jsonl files or globs of {"prompt","chosen","rejected"} lines '
+                        '(pointwise: {"text","label"} lines are accepted too)')
+    p.add_argument("--val_files", nargs="+", default=[default_path("data", "rm", "val.jsonl")],
+                   help="preference pairs for accuracy and margin during training")
+    p.add_argument("--test_files", nargs="+", default=[default_path("data", "rm", "test.jsonl")],
+                   help="preference pairs scored once at the end of the run")
+    p.add_argument("--objective", default="pairwise", choices=["pairwise", "pointwise"],
+                   help="pairwise: -log sigmoid(r_chosen - r_rejected); pointwise: binary cross-entropy on labels")
+    p.add_argument("--head_lr_scale", type=positive_float,
+                   help="the new scalar head's learning rate is --learning_rate times this (the backbone is pretrained)")
+    p.add_argument("--max_length", type=positive_int,
+                   help="longest sequence in tokens; a longer pair loses the start of its prompt, then the end of "
+                        "its response (default: the preset's when training, the model's context when scoring)")
+    scoring = p.add_argument_group("scoring (prints one score per text on stdout; no training)")
+    scoring.add_argument("--score", action="store_true", help="score texts with --checkpoint instead of training")
+    scoring.add_argument("--checkpoint", default=default_path("checkpoints", "rm"), help="reward model to score with")
+    scoring.add_argument("--text", action="append", default=[], help="a response to score (repeatable)")
+    scoring.add_argument("--texts_file",
+                         help='a file of responses: one per line, or .jsonl with "text" or "prompt"+"response"')
+    scoring.add_argument("--prompt", default="", help="the prompt placed before each --text and each plain line")
+    args = p.parse_args(argv)
+    if args.score:
+        if not args.text and not args.texts_file:
+            raise UserError("--score needs something to score; give --text \"...\" (repeatable) or --texts_file FILE")
+        return args
+    if args.text or args.texts_file:
+        raise UserError("--text/--texts_file are for scoring; add --score (and --checkpoint) to score them")
+    return fill_defaults(args, DEFAULTS[args.preset])
+
+
+# --- data ----------------------------------------------------------------------------------------------------------
+
+def read_pairs(patterns, what: str) -> list[tuple[str, str, str]]:
+    """(prompt, chosen, rejected) triples from jsonl files. Raises ``UserError`` naming the file and line."""
+    return [(r["prompt"], r["chosen"], r["rejected"])
+            for path in expand_files(patterns, what) for r in read_jsonl(path, PAIR_FIELDS)]
+
+
+def read_labelled(patterns, what: str) -> list[tuple[str, str, float]]:
+    """(prompt, text, label) rows for the pointwise objective. A file of pairs gives two rows per pair (chosen 1,
+    rejected 0); a file of ``{"text", "label"}`` lines (optional "prompt") gives one row per line.
+
+    Raises:
+        UserError: a line lacks the fields, or a label is not 0 or 1.
+    """
+    rows = []
+    for path in expand_files(patterns, what):
+        if "chosen" in read_jsonl(path, ())[0]:  # the first line tells the file's format
+            for prompt, chosen, rejected in read_pairs(path, what):
+                rows += [(prompt, chosen, 1.0), (prompt, rejected, 0.0)]
+            continue
+        for i, r in enumerate(read_jsonl(path, ("text",)), start=1):
+            if r.get("label") not in (0, 1):  # also accepts true/false and 0.0/1.0
+                raise UserError(f"{path} row {i}: \"label\" must be 0 or 1, got {r.get('label')!r}; "
+                                f"label good texts 1 and bad texts 0")
+            rows.append((r.get("prompt", ""), r["text"], float(r["label"])))
+    return rows
+
+
+def texts_to_score(args) -> tuple[list[str], list[str]]:
+    """(prompts, responses) from --text and --texts_file. Raises ``UserError`` for a bad file."""
+    prompts, responses = [args.prompt] * len(args.text), list(args.text)
+    if args.texts_file:
+        path = args.texts_file
+        if not os.path.isfile(path):
+            raise UserError(f"--texts_file {path} not found; give a text file (one response per line) or a .jsonl")
+        if path.endswith(".jsonl"):
+            fields = ("prompt", "response") if "response" in read_jsonl(path, ())[0] else ("text",)
+            for r in read_jsonl(path, fields):
+                prompts.append(r["prompt"] if "prompt" in fields else r.get("prompt", args.prompt))
+                responses.append(r["response"] if "response" in fields else r["text"])
+        else:
+            lines = [line for line in read_lines(path) if line.strip()]
+            if not lines:
+                raise UserError(f"--texts_file {path} holds no text; give one response per line")
+            prompts += [args.prompt] * len(lines)
+            responses += lines
+    return prompts, responses
+
+
+# --- scoring entry point ---------------------------------------------------------------------------------------------
+
+def score_main(args) -> int:
+    """``--score``: one reward per text on stdout (``%.6f``, input order); everything else goes to stderr."""
+    model, tokenizer, _ = load_checkpoint(args.checkpoint, "reward")
+    prompts, responses = texts_to_score(args)
+    if args.max_length and args.max_length > model.cfg.context_length:
+        raise UserError(f"--max_length {args.max_length} is longer than the model's context_length "
+                        f"{model.cfg.context_length}; lower it")
+    model.to("cuda" if torch.cuda.is_available() else "cpu")
+    started = time.time()
+    scores = score_texts(model, tokenizer, prompts, responses, args.batch_size or 32, args.max_length)
+    for s in scores:
+        print(f"{s:.6f}")
+    print(f"scored {len(scores)} text(s) with {args.checkpoint} in {time.time() - started:.1f} s", file=sys.stderr)
+    return 0
+
+
+# --- training --------------------------------------------------------------------------------------------------------
+
+def build_model(args):
+    """A ``RewardModel`` whose backbone holds the --init weights (its head is new); returns (model, parent meta)."""
+    model = RewardModel(GPTConfig.from_dict(read_config(args.init)["model"]))
+    load_weights_into(model.backbone, args.init)  # a GPT or a reward checkpoint's backbone
+    return model, parent_meta(args.init)
+
+
+def evaluate_pairs(model, pairs, tokenizer, args, accelerator) -> dict:
+    """Loss, accuracy and mean margin over ``pairs``; each process scores its share, the scores are gathered."""
+    from accelerate.utils import gather_object
+
+    mine = pairs[accelerator.process_index::accelerator.num_processes]
+    prompts = [p for p, _, _ in mine]
+    unwrapped = accelerator.unwrap_model(model)
+    chosen = score_texts(unwrapped, tokenizer, prompts, [c for _, c, _ in mine], 2 * args.batch_size, args.max_length)
+    rejected = score_texts(unwrapped, tokenizer, prompts, [r for _, _, r in mine], 2 * args.batch_size,
+                           args.max_length)
+    if accelerator.num_processes > 1:  # every process gathers in the same order, so the pairs stay aligned
+        chosen, rejected = gather_object(chosen), gather_object(rejected)
+    return pair_metrics(chosen, rejected)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.score:
+        return score_main(args)
+    accelerator = make_accelerator(args)
+    check_output_dir(args.output_dir, args.overwrite, args.resume)
+    try:
+        tokenizer = load_tokenizer(args.tokenizer)
+    except TokenizerError as e:
+        raise UserError(str(e)) from e
+
+    # --- model: the parent's GPT + a new scalar head ----------------------------------------------------------------
+    model, parent = build_model(args)
+    if args.resume:
+        load_weights_into(model, args.output_dir)
+    cfg = model.cfg
+    if len(tokenizer) != cfg.vocab_size:
+        raise UserError(f"the tokenizer has {len(tokenizer)} ids but the model's vocab_size is {cfg.vocab_size}; "
+                        f"use the matching --tokenizer")
+    if not 4 <= args.max_length <= cfg.context_length:
+        raise UserError(f"--max_length {args.max_length} must be in 4..{cfg.context_length} (the model's context)")
+
+    # --- data: each side through the chat template, [CLS] prompt [ANS] response [SEP] ------------------------------
+    def encode(prompt, response):
+        return apply_chat_template(prompt, response, tokenizer, args.max_length)
+
+    if args.objective == "pairwise":
+        rows = read_pairs(args.train_files, "--train_files")
+        encoded = [(encode(p, c), encode(p, r)) for p, c, r in rows]
+        train = [(c[0], r[0]) for c, r in encoded]  # (chosen ids, rejected ids)
+        truncated = sum(c[2] or r[2] for c, r in encoded)
+    else:
+        rows = read_labelled(args.train_files, "--train_files")
+        encoded = [(encode(p, t), label) for p, t, label in rows]
+        train = [(e[0], label) for e, label in encoded]  # (ids, label)
+        truncated = sum(e[2] for e, _ in encoded)
+    val = read_pairs(args.val_files, "--val_files")
+    val = [val[i] for i in spread_subset(len(val), args.eval_examples)]  # a fixed subset keeps evaluations short
+    test_files = expand_files(args.test_files, "--test_files")  # fail now, not after training
+    schedule = BatchSchedule(len(train), args.batch_size, args.gradient_accumulation_steps,
+                             accelerator.num_processes, args.seed)
+    accelerator.print(f"train: {len(train)} {'pairs' if args.objective == 'pairwise' else 'texts'} "
+                      f"({truncated} cut to {args.max_length} tokens); val: {len(val)} pairs; "
+                      f"{sum(p.numel() for p in model.parameters()):,} parameters; "
+                      f"global batch {schedule.global_batch_size}")
+
+    def collate(indices) -> dict:
+        """Pairwise: chosen rows then rejected rows, one right-padded (2b, T) batch; pointwise: (b, T) + labels."""
+        items = [train[i] for i in indices]
+        if args.objective == "pairwise":
+            return pad_right([c for c, _ in items] + [r for _, r in items])
+        return {**pad_right([ids for ids, _ in items]), "labels": torch.tensor([label for _, label in items])}
+
+    # --- optimizer and Accelerate ------------------------------------------------------------------------------------
+    optimizer = make_optimizer(model.backbone, args.learning_rate, args.weight_decay)
+    # the head is new: a larger step lets it grow to a useful scale while the pretrained backbone moves gently
+    optimizer.add_param_group({"params": list(model.head.parameters()), "weight_decay": 0.0,
+                               "lr_scale": args.head_lr_scale})
+    model, optimizer = accelerator.prepare(model, optimizer)
+    step, tokens_seen, metrics = 0, 0, MetricsLog()
+    if args.resume:
+        trainer = load_training_state(os.path.join(args.output_dir, "state"), optimizer, accelerator)
+        step, tokens_seen = trainer["step"], trainer["tokens_seen"]
+        metrics = MetricsLog.resume(os.path.join(args.output_dir, "metrics.jsonl"), step)
+        accelerator.print(f"resumed at step {step}")
+
+    def save(final: bool, final_metrics: dict):
+        """Write the checkpoint (with a resumable state unless the run is complete)."""
+        rng = gather_rng_states(accelerator)
+        if accelerator.is_main_process:
+            files = {"metrics.jsonl": metrics.write}
+            if final:
+                files["loss_curve.png"] = lambda path: metrics.plot(
+                    path, "reward model", ["train_loss", "val_loss", "val_accuracy", "val_margin"])
+            meta = {"stage": "rm", **parent, "objective": args.objective, "max_length": args.max_length,
+                    "step": step, "tokens_seen": tokens_seen, "metrics": final_metrics, "command": command_line()}
+            state = None if final else (lambda d: save_training_state(
+                d, optimizer, {"step": step, "tokens_seen": tokens_seen}, rng))
+            save_checkpoint(args.output_dir, accelerator.unwrap_model(model), tokenizer, meta, state, files)
+        accelerator.wait_for_everyone()
+
+    def latest_val() -> dict:
+        last = next((r for r in reversed(metrics.rows) if "val_loss" in r), {})
+        return {k: v for k, v in last.items() if k.startswith("val_")}
+
+    # --- the loop ----------------------------------------------------------------------------------------------------
+    last_step = min(args.max_steps, step + args.stop_after) if args.stop_after else args.max_steps
+    bar = tqdm(total=args.max_steps, initial=step, desc="rm", disable=not accelerator.is_main_process,
+               dynamic_ncols=True)
+    started = time.time()
+    model.train()
+    with StopSignal() as stop:
+        while step < last_step:
+            lr = lr_at(step, args.learning_rate, args.warmup_steps, args.max_steps)
+            set_lr(optimizer, lr)
+            step_loss, step_accuracy, step_tokens = 0.0, 0.0, torch.zeros((), device=accelerator.device)
+            for micro in range(args.gradient_accumulation_steps):
+                batch = {k: v.to(accelerator.device)
+                         for k, v in collate(schedule.indices(step, micro, accelerator.process_index)).items()}
+                with accelerator.accumulate(model), accelerator.autocast():
+                    rewards = model(batch["input_ids"], batch["attention_mask"])["rewards"]  # (2b,) or (b,)
+                    if args.objective == "pairwise":
+                        r_chosen, r_rejected = rewards.chunk(2)  # (b,), (b,): the collate put chosen rows first
+                        loss = pairwise_loss(r_chosen, r_rejected)
+                        correct = (r_chosen > r_rejected).float().mean()
+                    else:
+                        loss = pointwise_loss(rewards, batch["labels"])
+                        correct = ((rewards > 0).float() == batch["labels"]).float().mean()
+                    accelerator.backward(loss)  # divides by the accumulation steps once
+                    if accelerator.sync_gradients:
+                        accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
+                    optimizer.step()
+                    optimizer.zero_grad()
+                step_loss += loss.item() / args.gradient_accumulation_steps
+                step_accuracy += correct.item() / args.gradient_accumulation_steps
+                step_tokens += batch["attention_mask"].sum()
+            if not math.isfinite(step_loss):
+                raise UserError(f"the training loss became {step_loss} at step {step + 1}; the last good checkpoint "
+                                f"(if any) is in {args.output_dir}; lower --learning_rate and start again")
+            if accelerator.num_processes > 1:
+                step_tokens = accelerator.reduce(step_tokens, reduction="sum")
+            step += 1
+            tokens_seen += int(step_tokens.item())
+            bar.update(1)
+            bar.set_postfix(loss=f"{step_loss:.3f}", acc=f"{step_accuracy:.2f}", lr=f"{lr:.2e}")
+            row = {"step": step, "train_loss": step_loss, "train_accuracy": step_accuracy, "lr": lr,
+                   "tokens_seen": tokens_seen, "time_s": round(time.time() - started, 1)}
+            if step % args.eval_every == 0 or step == args.max_steps:
+                result = evaluate_pairs(model, val, tokenizer, args, accelerator)
+                row.update({f"val_{k}": v for k, v in result.items()})
+                bar.write(f"step {step}: val loss {result['loss']:.3f}, accuracy {result['accuracy']:.1%}, "
+                          f"margin {result['margin']:.2f}")
+            metrics.add(**row)
+            if stop.requested(accelerator):
+                save(False, latest_val())
+                accelerator.print(f"interrupted at step {step}; state saved in {args.output_dir}. Continue with: "
+                                  f"{command_line()} --resume")
+                return stop.exit_code
+            if args.save_every and step % args.save_every == 0 and step < args.max_steps:
+                save(False, latest_val())
+    bar.close()
+    if step < args.max_steps:
+        save(False, latest_val())
+        accelerator.print(f"stopped after step {step} of {args.max_steps}; continue with --resume")
+        return 0
+
+    # --- test: pairs no stage has seen ------------------------------------------------------------------------------
+    result = evaluate_pairs(model, read_pairs(test_files, "--test_files"), tokenizer, args, accelerator)
+    metrics.add(step=step, **{f"test_{k}": v for k, v in result.items()})
+    accelerator.print(f"test: loss {result['loss']:.3f}, accuracy {result['accuracy']:.1%}, "
+                      f"margin {result['margin']:.2f}")
+    save(True, {**latest_val(), **{f"test_{k}": round(v, 6) for k, v in result.items()}})
+    accelerator.print(f"saved {args.output_dir} (step {step}, {tokens_seen:,} tokens, {time.time() - started:.0f} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    run(main)
