@@ -23,7 +23,8 @@ from cli import UserError, default_path, fill_defaults, run, stage_parser
 from corpus import PackedBlocks, load_text_documents
 from gpt_model import GPTConfig, GPTModel, generate, get_preset, next_token_loss, text_to_token_ids, token_ids_to_text
 from training import (BatchSchedule, MetricsLog, StopSignal, Throughput, evaluate_lm, gather_rng_states,
-                      load_training_state, lr_at, make_accelerator, make_optimizer, mean_over_processes, save_training_state, set_lr, spread_subset)
+                      load_training_state, lr_at, make_accelerator, make_optimizer, mean_over_processes,
+                      save_training_state, set_lr, spread_subset)
 
 # Run length and optimisation per preset; every value can be overridden on the command line.
 DEFAULTS = {

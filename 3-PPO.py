@@ -33,10 +33,10 @@ from safetensors.torch import load_model, save_model
 from tqdm.auto import tqdm
 
 from checkpoint import check_output_dir, command_line, load_checkpoint, load_weights_into, parent_meta, save_checkpoint
-from chinese_tokenizer import EOS_ID, PAD_ID, chat_prompt_ids, decode
+from chinese_tokenizer import EOS_ID, chat_prompt_ids, decode
 from cli import UserError, default_path, fill_defaults, non_negative_float, positive_float, positive_int, run, \
     stage_parser
-from corpus import read_jsonl
+from corpus import pad_left, read_jsonl
 from gpt_model import RewardModel, generate
 from training import (BatchSchedule, MetricsLog, StopSignal, gather_rng_states, load_training_state, lr_at,
                       make_accelerator, make_optimizer, mean_over_processes, save_training_state, set_lr)
@@ -156,14 +156,6 @@ class PolicyAndCritic(nn.Module):
                 "values": self.critic(input_ids, attention_mask)["values"]}
 
 
-def left_pad(rows, pad_id=PAD_ID):
-    """Lists of ids -> (B, P) ids and mask, padded on the left so every prompt ends at the same column."""
-    width = max(len(r) for r in rows)
-    ids = torch.tensor([[pad_id] * (width - len(r)) + r for r in rows])
-    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows])
-    return ids, mask
-
-
 def response_mask_after(responses, eos_id: int):
     """(B, R) generated ids -> 0/1 mask of the real response: every token up to and including the first eos."""
     is_eos = (responses == eos_id).long()
@@ -179,8 +171,8 @@ def sample_responses(policy, prompts, tokenizer, args, context_length, device):
     response up to and including its first [SEP]; what ``generate`` filled in after it is padding.
     """
     room = context_length - args.max_new_tokens  # the prompt keeps its last tokens so the whole sequence fits
-    query, query_mask = left_pad([chat_prompt_ids(p, tokenizer)[-room:] for p in prompts])
-    query, query_mask = query.to(device), query_mask.to(device)
+    batch = pad_left([chat_prompt_ids(p, tokenizer)[-room:] for p in prompts])
+    query, query_mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)  # (B, P)
     sequences = generate(policy, query, args.max_new_tokens, context_length, temperature=args.temperature,
                          eos_id=EOS_ID, attention_mask=query_mask)  # (B, P + R)
     P = query.shape[1]

@@ -159,6 +159,15 @@ def pad_right(sequences, pad_id: int = PAD_ID) -> dict:
     return {"input_ids": input_ids, "attention_mask": attention_mask}
 
 
+def pad_left(sequences, pad_id: int = PAD_ID) -> dict:
+    """Like ``pad_right`` but padding goes first, so every row ends at the last column: the layout for a batch of
+    prompts that ``generate`` continues together. Raises ``ValueError`` for an empty batch or sequence."""
+    if not sequences or min(len(s) for s in sequences) == 0:
+        raise ValueError("pad_left needs at least one sequence and no empty sequence")
+    flipped = pad_right([list(reversed(s)) for s in sequences], pad_id)
+    return {k: v.flip(dims=[1]) for k, v in flipped.items()}
+
+
 def chat_example(input_ids: list[int], response_mask: list[int]) -> tuple[list[int], list[int]]:
     """One chat-template sequence -> (inputs, labels) for next-token training on the response only.
 
