@@ -18,7 +18,7 @@ import torch
 from tqdm.auto import tqdm
 
 from checkpoint import check_output_dir, command_line, load_weights_into, parent_meta, read_config, save_checkpoint
-from chinese_tokenizer import EOS_ID, TokenizerError, load_tokenizer
+from chinese_tokenizer import TokenizerError, load_tokenizer
 from cli import UserError, default_path, fill_defaults, run, stage_parser
 from corpus import PackedBlocks, load_text_documents
 from gpt_model import GPTConfig, GPTModel, generate, get_preset, next_token_loss, text_to_token_ids, token_ids_to_text

@@ -103,8 +103,7 @@ def pick_sample_rows(rows, count: int) -> list[int]:
 
 def answer(model, prompt: str, tokenizer, context_length: int) -> str:
     """The greedy answer to ``prompt`` under the chat template: generated with the KV cache until ``[SEP]``."""
-    ids = chat_prompt_ids(prompt, tokenizer)  # [CLS] prompt [ANS]
-    ids = ids[:1] + ids[1:][-(context_length - 2):]  # too long: keep [CLS], cut the prompt's start, leave 1 slot
+    ids = chat_prompt_ids(prompt, tokenizer, context_length - 1)  # [CLS] prompt [ANS], one slot left to answer
     idx = torch.tensor([ids], device=next(model.parameters()).device)  # (1, P)
     out = generate(model, idx, MAX_ANSWER_TOKENS, context_length, eos_id=EOS_ID)[0, len(ids):].tolist()
     if EOS_ID in out:

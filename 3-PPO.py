@@ -28,7 +28,6 @@ import time
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from safetensors.torch import load_model, save_model
 from tqdm.auto import tqdm
 
@@ -37,7 +36,7 @@ from chinese_tokenizer import EOS_ID, chat_prompt_ids, decode
 from cli import UserError, default_path, fill_defaults, non_negative_float, positive_float, positive_int, run, \
     stage_parser
 from corpus import pad_left, read_jsonl
-from gpt_model import RewardModel, generate
+from gpt_model import RewardModel, generate, last_real_index
 from training import (BatchSchedule, MetricsLog, StopSignal, gather_rng_states, load_training_state, lr_at,
                       make_accelerator, make_optimizer, mean_over_processes, save_training_state, set_lr)
 
@@ -66,7 +65,8 @@ def parse_args(argv=None):
     p.add_argument("--max_new_tokens", type=positive_int, help="longest response")
     p.add_argument("--temperature", type=positive_float, default=1.0, help="rollout sampling temperature")
     p.add_argument("--ppo_epochs", type=positive_int, default=4, help="passes over each rollout batch")
-    p.add_argument("--kl_coef", type=non_negative_float, default=0.05, help="beta: weight of the per-token KL penalty")
+    p.add_argument("--kl_coef", type=non_negative_float, default=0.05,
+                   help="beta, the weight of the per-token KL penalty, at the start (see --target_kl)")
     p.add_argument("--target_kl", type=non_negative_float, default=6.0,
                    help="adaptive KL control (Ziegler et al. 2019): steer beta so the KL per response stays near "
                         "this many nats; 0 keeps beta fixed")
@@ -102,7 +102,7 @@ def kl_penalised_rewards(scores, logprobs, ref_logprobs, mask, kl_coef: float):
     """Per-token rewards (B, R): ``-kl_coef * (logprobs - ref_logprobs)`` on every real response token, plus the
     reward model's ``scores`` (B,) on each row's last real response token. Padding gets 0."""
     rewards = -kl_coef * (logprobs - ref_logprobs) * mask  # (B, R)
-    last = mask.shape[1] - 1 - mask.flip(dims=[1]).argmax(dim=1)  # (B,) index of the last real token
+    last = last_real_index(mask)  # (B,)
     return rewards.scatter_add(1, last[:, None], scores[:, None].to(rewards.dtype))
 
 
@@ -171,7 +171,7 @@ def sample_responses(policy, prompts, tokenizer, args, context_length, device):
     response up to and including its first [SEP]; what ``generate`` filled in after it is padding.
     """
     room = context_length - args.max_new_tokens  # the prompt keeps its last tokens so the whole sequence fits
-    batch = pad_left([chat_prompt_ids(p, tokenizer)[-room:] for p in prompts])
+    batch = pad_left([chat_prompt_ids(p, tokenizer, room) for p in prompts])
     query, query_mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)  # (B, P)
     sequences = generate(policy, query, args.max_new_tokens, context_length, temperature=args.temperature,
                          eos_id=EOS_ID, attention_mask=query_mask)  # (B, P + R)

@@ -29,7 +29,7 @@ from tokenizers import AddedToken, decoders
 from transformers import BertTokenizerFast
 
 VOCAB_SIZE = 21128
-PAD_ID, UNK_ID, CLS_ID, SEP_ID = 0, 100, 101, 102
+PAD_ID, UNK_ID, CLS_ID, SEP_ID, MASK_ID = 0, 100, 101, 102, 103
 EOS_ID = SEP_ID
 
 # reserved vocabulary slot -> the character it stands for
@@ -115,13 +115,21 @@ def decode(ids, tokenizer: BertTokenizerFast, skip_special_tokens: bool = True) 
     if hasattr(ids, "tolist"):
         ids = ids.tolist()
     if skip_special_tokens:
-        ids = [i for i in ids if i not in (PAD_ID, CLS_ID, SEP_ID, ANSWER_ID, 103)]
+        ids = [i for i in ids if i not in (PAD_ID, CLS_ID, SEP_ID, ANSWER_ID, MASK_ID)]
     return tokenizer.decode(ids, skip_special_tokens=False)
 
 
-def chat_prompt_ids(prompt: str, tokenizer: BertTokenizerFast) -> list[int]:
-    """The prompt half of the chat template: ``[CLS] prompt [ANS]``; the model continues with the response."""
-    return [CLS_ID] + encode(prompt, tokenizer) + [ANSWER_ID]
+def chat_prompt_ids(prompt: str, tokenizer: BertTokenizerFast, max_length: int | None = None) -> list[int]:
+    """The prompt half of the chat template: ``[CLS] prompt [ANS]``; the model continues with the response.
+
+    With ``max_length`` (>= 3), a longer prompt loses its beginning; ``[CLS]`` and ``[ANS]`` always stay.
+    """
+    prompt_ids = encode(prompt, tokenizer)
+    if max_length is not None:
+        if max_length < 3:
+            raise ValueError(f"max_length must be >= 3 ([CLS], [ANS] and one token), got {max_length}")
+        prompt_ids = prompt_ids[-(max_length - 2):]
+    return [CLS_ID] + prompt_ids + [ANSWER_ID]
 
 
 def apply_chat_template(

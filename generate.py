@@ -30,7 +30,6 @@ asking again gives a new sample. With ``--reward DIR`` each sample is scored by 
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -38,10 +37,11 @@ import sys
 import torch
 
 from checkpoint import load_checkpoint, read_config
-from chinese_tokenizer import EOS_ID, PAD_ID, apply_chat_template, chat_prompt_ids, decode, encode
-from cli import UserError, default_path, non_negative_float, non_negative_int, positive_float, positive_int, \
-    probability, run
+from chinese_tokenizer import EOS_ID, chat_prompt_ids, decode, encode
+from cli import ArgumentParser, UserError, default_path, non_negative_float, non_negative_int, positive_float, \
+    positive_int, probability, run
 from gpt_model import generate
+from reward import score_texts
 
 # Where the stages write their checkpoints, latest stage first: the default --checkpoint is the first that exists.
 STAGE_DIRS = [default_path("checkpoints", stage) for stage in ("ppo", "sft", "pretrain")]
@@ -50,8 +50,7 @@ EXIT_WORDS = ("exit", "quit")
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description="Generate text from a stage checkpoint (pretrain, SFT or PPO).",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = ArgumentParser(description="Generate text from a stage checkpoint (pretrain, SFT or PPO).")
     source = p.add_mutually_exclusive_group()
     source.add_argument("--checkpoint", help="stage checkpoint directory (default: the latest of "
                                              "checkpoints/ppo, checkpoints/sft, checkpoints/pretrain)")
@@ -152,12 +151,10 @@ def prompt_to_ids(prompt: str, tokenizer, chat: bool, context_length: int) -> li
                 f"keeping its last {context_length}")
             ids = ids[-context_length:]
         return ids
-    ids = chat_prompt_ids(prompt, tokenizer)  # [CLS] prompt [ANS]
-    if len(ids) > context_length:
-        room = context_length - 2  # [CLS] and [ANS] stay; the prompt loses its beginning
-        log(f"note: the prompt is {len(ids) - 2} tokens, longer than the {room} that fit in the model's context of "
-            f"{context_length} with the chat template; keeping its last {room}")
-        ids = ids[:1] + ids[1:-1][-room:] + ids[-1:]
+    ids = chat_prompt_ids(prompt, tokenizer, context_length)  # [CLS] prompt [ANS], the prompt cut from its left
+    if len(ids) < len(encode(prompt, tokenizer)) + 2:
+        log(f"note: the prompt is longer than the {context_length - 2} tokens that fit in the model's context of "
+            f"{context_length} with the chat template; keeping its last {context_length - 2}")
     return ids
 
 
@@ -185,13 +182,7 @@ def sample(model, ids: list[int], args, num_samples: int, stream=None) -> list[l
 @torch.no_grad()
 def score(reward_model, tokenizer, prompt: str, responses: list[str]) -> list[float]:
     """The reward model's score of each ``[CLS] prompt [ANS] response [SEP]``, in one right-padded batch."""
-    rows = [apply_chat_template(prompt, r, tokenizer, max_length=reward_model.cfg.context_length)[0]
-            for r in responses]
-    width = max(len(r) for r in rows)
-    device = next(reward_model.parameters()).device
-    input_ids = torch.tensor([r + [PAD_ID] * (width - len(r)) for r in rows], device=device)  # (n, T)
-    mask = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows], device=device)  # (n, T)
-    return reward_model(input_ids, attention_mask=mask)["rewards"].float().tolist()
+    return score_texts(reward_model, tokenizer, [prompt] * len(responses), responses)
 
 
 class TextStream:

@@ -71,7 +71,7 @@ from safetensors.torch import load_file, save_file
 from checkpoint import (_replace_dir, command_line, file_sha256, load_checkpoint, load_pickle_free,
                         save_checkpoint)
 from chinese_tokenizer import CLS_ID, PAD_ID, SEP_ID, VOCAB_SIZE, TokenizerError, load_tokenizer
-from cli import UserError, default_path, run
+from cli import ArgumentParser, UserError, default_path, run
 from gpt_model import GPTConfig, GPTModel
 
 CONFIG_FILE = "config.json"
@@ -402,7 +402,7 @@ EXAMPLES = """examples:
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(
+    p = ArgumentParser(
         description="Convert GPT-2 weights between Hugging Face format and this project's stage checkpoints.",
         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     source = p.add_mutually_exclusive_group(required=True)

@@ -24,7 +24,6 @@ import argparse
 import contextlib
 import gc
 import json
-import math
 import os
 import platform
 import re

@@ -3,14 +3,13 @@ and the script end to end (loss falls, exact resume, no silent overwrite, two pr
 
 import json
 import math
-import os
 import shutil
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import REPO_ROOT, TINY_TEXT, run_script
+from conftest import run_script
 from corpus import PackedBlocks, load_text_documents
 from gpt_model import GPTModel, get_preset
 from training import BatchSchedule, lr_at, make_optimizer

@@ -12,7 +12,6 @@ import threading
 import pytest
 import torch
 
-import checkpoint
 from checkpoint import load_checkpoint, load_pickle_free, load_weights_into, save_checkpoint
 from cli import UserError
 from conftest import REPO_ROOT, run_script

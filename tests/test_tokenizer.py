@@ -4,13 +4,12 @@ Expected ids are read straight from bert-base-chinese's ``vocab.txt`` (line numb
 under test; round trips compare with the original text.
 """
 
-import re
 import string
 from pathlib import Path
 
 import pytest
 import torch
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import chinese_tokenizer as ct
