@@ -29,7 +29,7 @@ from training import (BatchSchedule, MetricsLog, StopSignal, Throughput, evaluat
 # Run length and optimisation per preset; every value can be overridden on the command line.
 DEFAULTS = {
     "tiny": dict(max_steps=40, batch_size=8, learning_rate=3e-3, warmup_steps=4, eval_every=20, eval_examples=16),
-    "demo": dict(max_steps=300, batch_size=8, learning_rate=2e-3, warmup_steps=30, eval_every=100,
+    "demo": dict(max_steps=240, batch_size=8, learning_rate=2e-3, warmup_steps=20, eval_every=80,
                  eval_examples=48),
     "gpt2-zh-small": dict(max_steps=20000, batch_size=16, learning_rate=6e-4, warmup_steps=1000, eval_every=500,
                           eval_examples=400, save_every=1000),
