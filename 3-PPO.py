@@ -243,13 +243,13 @@ def main(argv=None):
     if args.resume:
         load_weights_into(policy, args.output_dir)
         load_model(critic, os.path.join(args.output_dir, "state", "critic.safetensors"))
-    if args.max_new_tokens >= policy.cfg.context_length - 2:
-        raise UserError(f"--max_new_tokens {args.max_new_tokens} leaves no room for a prompt in the policy's "
-                        f"context of {policy.cfg.context_length}; lower it")
     for frozen in (ref, reward_model):
         frozen.requires_grad_(False)
         frozen.to(device)
     context_length = min(policy.cfg.context_length, reward_model.cfg.context_length)
+    if args.max_new_tokens > context_length - 3:
+        raise UserError(f"--max_new_tokens {args.max_new_tokens} leaves no room for a prompt in a context of "
+                        f"{context_length} (the shorter of policy and reward model); lower it")
 
     trained = PolicyAndCritic(policy, critic)
     optimizer = make_optimizer(trained, args.learning_rate, args.weight_decay)
