@@ -18,7 +18,7 @@ import torch
 from tqdm.auto import tqdm
 
 from checkpoint import check_output_dir, command_line, load_weights_into, parent_meta, read_config, save_checkpoint
-from chinese_tokenizer import TokenizerError, load_tokenizer
+from chinese_tokenizer import load_tokenizer
 from cli import UserError, default_path, fill_defaults, run, stage_parser
 from corpus import PackedBlocks, load_text_documents
 from gpt_model import GPTConfig, GPTModel, generate, get_preset, next_token_loss, text_to_token_ids, token_ids_to_text
@@ -72,10 +72,7 @@ def main(argv=None):
     args = parse_args(argv)
     accelerator = make_accelerator(args)
     check_output_dir(args.output_dir, args.overwrite, args.resume)
-    try:
-        tokenizer = load_tokenizer(args.tokenizer)
-    except TokenizerError as e:
-        raise UserError(str(e)) from e
+    tokenizer = load_tokenizer(args.tokenizer)
 
     # --- model -------------------------------------------------------------------------------------------------
     model, parent = build_model(args)

@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 
 from checkpoint import (CONFIG_FILE, check_output_dir, command_line, load_checkpoint, load_weights_into,
                         parent_meta, save_checkpoint)
-from chinese_tokenizer import EOS_ID, TokenizerError, chat_prompt_ids, decode, load_tokenizer
+from chinese_tokenizer import EOS_ID, chat_prompt_ids, decode, load_tokenizer
 from cli import UserError, default_path, fill_defaults, positive_int, run, stage_parser
 from corpus import ChatPairs, expand_files, length_grouped_batches, read_jsonl
 from gpt_model import generate, next_token_loss
@@ -136,10 +136,7 @@ def main(argv=None):
     args = parse_args(argv)
     accelerator = make_accelerator(args)
     check_output_dir(args.output_dir, args.overwrite, args.resume)
-    try:
-        tokenizer = load_tokenizer(args.tokenizer)
-    except TokenizerError as e:
-        raise UserError(str(e)) from e
+    tokenizer = load_tokenizer(args.tokenizer)
 
     # --- model: the pretrained checkpoint (or, on --resume, this run's saved weights) ----------------------------
     model, parent = load_parent(args.init, len(tokenizer))

@@ -26,7 +26,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_model, save_model
 
-from chinese_tokenizer import TokenizerError, load_tokenizer
+from chinese_tokenizer import load_tokenizer
 from cli import UserError
 from gpt_model import GPTConfig, GPTModel, RewardModel
 
@@ -157,10 +157,7 @@ def load_checkpoint(path: str, model_type: str | None = None, expect_vocab_size:
                         f"unexpected {unexpected[:3]}); re-run the stage that wrote it")
     if model_type == "gpt" and saved_type == "reward":
         model = model.backbone
-    try:
-        tokenizer = load_tokenizer(os.path.join(path, TOKENIZER_DIR))
-    except TokenizerError as e:
-        raise UserError(str(e)) from e
+    tokenizer = load_tokenizer(os.path.join(path, TOKENIZER_DIR))
     if len(tokenizer) != cfg.vocab_size:
         raise UserError(f"checkpoint {path}: tokenizer has {len(tokenizer)} ids but the model has vocab_size "
                         f"{cfg.vocab_size}; the checkpoint is inconsistent")

@@ -28,6 +28,8 @@ import os
 from tokenizers import AddedToken, decoders
 from transformers import BertTokenizerFast
 
+from cli import UserError
+
 VOCAB_SIZE = 21128
 PAD_ID, UNK_ID, CLS_ID, SEP_ID, MASK_ID = 0, 100, 101, 102, 103
 EOS_ID = SEP_ID
@@ -40,8 +42,9 @@ ANSWER_SLOT, ANSWER_TOKEN = "[unused5]", "[ANS]"
 ANSWER_ID = 5
 
 
-class TokenizerError(ValueError):
-    """The tokenizer files are missing or are not the 21128-id BERT-Chinese vocabulary."""
+class TokenizerError(UserError):
+    """The tokenizer files are missing or are not the 21128-id BERT-Chinese vocabulary (a user error: the message
+    says which files and what to run)."""
 
 
 def build_tokenizer(vocab_file: str) -> BertTokenizerFast:
