@@ -44,7 +44,7 @@ from training import (BatchSchedule, MetricsLog, StopSignal, gather_rng_states, 
 DEFAULTS = {
     "tiny": dict(max_steps=4, rollout_size=8, batch_size=4, learning_rate=1e-4, warmup_steps=0, eval_every=2,
                  eval_examples=8, max_new_tokens=16),
-    "demo": dict(max_steps=30, rollout_size=16, batch_size=8, learning_rate=2e-5, warmup_steps=2, eval_every=10,
+    "demo": dict(max_steps=20, rollout_size=16, batch_size=8, learning_rate=1e-4, warmup_steps=2, eval_every=10,
                  eval_examples=48, max_new_tokens=40),
     "gpt2-zh-small": dict(max_steps=400, rollout_size=64, batch_size=16, learning_rate=1e-5, warmup_steps=10,
                           eval_every=50, eval_examples=200, max_new_tokens=64, save_every=50),
