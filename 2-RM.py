@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 
 from checkpoint import (check_output_dir, command_line, load_checkpoint, load_weights_into, parent_meta, read_config,
                         save_checkpoint)
-from chinese_tokenizer import TokenizerError, apply_chat_template, load_tokenizer
+from chinese_tokenizer import apply_chat_template, load_tokenizer
 from cli import UserError, default_path, fill_defaults, positive_float, positive_int, run, stage_parser
 from corpus import expand_files, pad_right, read_jsonl, read_lines
 from gpt_model import GPTConfig, RewardModel
@@ -185,10 +185,7 @@ def main(argv=None):
         return score_main(args)
     accelerator = make_accelerator(args)
     check_output_dir(args.output_dir, args.overwrite, args.resume)
-    try:
-        tokenizer = load_tokenizer(args.tokenizer)
-    except TokenizerError as e:
-        raise UserError(str(e)) from e
+    tokenizer = load_tokenizer(args.tokenizer)
 
     # --- model: the parent's GPT + a new scalar head ----------------------------------------------------------------
     model, parent = build_model(args)
