@@ -24,7 +24,7 @@ from corpus import PackedBlocks, load_text_documents
 from gpt_model import GPTConfig, GPTModel, generate, get_preset, next_token_loss, text_to_token_ids, token_ids_to_text
 from training import (BatchSchedule, MetricsLog, StopSignal, Throughput, evaluate_lm, gather_rng_states,
                       load_training_state, lr_at, make_accelerator, make_optimizer, mean_over_processes,
-                      save_training_state, set_lr, spread_subset)
+                      save_between_steps, save_training_state, set_lr, spread_subset)
 
 # Run length and optimisation per preset; every value can be overridden on the command line.
 DEFAULTS = {
@@ -41,7 +41,7 @@ SAMPLE_PROMPT = "中国"
 
 def parse_args(argv=None):
     p = stage_parser("Stage 0: pretrain a GPT-2 on Chinese text (next-token prediction).",
-                     default_path("checkpoints", "pretrain"))
+                     default_path("checkpoints", "pretrain"), DEFAULTS)
     p.add_argument("--train_files", nargs="+", default=[default_path("data", "pretrain", "train.jsonl")],
                    help=".txt (documents separated by blank lines) or .jsonl ({\"text\"}) files or globs")
     p.add_argument("--val_files", nargs="+", default=[default_path("data", "pretrain", "val.jsonl")])
@@ -171,13 +171,9 @@ def main(argv=None):
                 bar.write(f"step {step}: val loss {val_loss:.3f}, perplexity {math.exp(min(val_loss, 50)):.1f}\n"
                           f"  greedy : {greedy}\n  sampled: {sampled}")
             metrics.add(**row)
-            if stop.requested(accelerator):
-                save(final=False)
-                accelerator.print(f"interrupted at step {step}; state saved in {args.output_dir}. Continue with: "
-                                  f"{command_line()} --resume")
-                return stop.exit_code
-            if args.save_every and step % args.save_every == 0 and step < args.max_steps:
-                save(final=False)
+            interrupted = save_between_steps(stop, accelerator, step, args, lambda: save(final=False))
+            if interrupted is not None:
+                return interrupted
     bar.close()
     save(final=step >= args.max_steps)
     if step < args.max_steps:

@@ -33,8 +33,8 @@ from cli import UserError, default_path, fill_defaults, positive_int, run, stage
 from corpus import ChatPairs, expand_files, length_grouped_batches, read_jsonl
 from gpt_model import generate, next_token_loss
 from training import (BatchSchedule, MetricsLog, StopSignal, Throughput, evaluate_lm, gather_rng_states,
-                      load_training_state, lr_at, make_accelerator, make_optimizer, save_training_state, set_lr,
-                      spread_subset)
+                      load_training_state, lr_at, make_accelerator, make_optimizer, save_between_steps,
+                      save_training_state, set_lr, spread_subset)
 
 # Run length and optimisation per preset; every value can be overridden on the command line. The demo run sees
 # 300 x 16 = 4800 pairs (about 200k tokens, a third of the training set) and fits in three minutes on 2 CPU cores;
@@ -56,7 +56,7 @@ MAX_ANSWER_TOKENS = 64
 
 def parse_args(argv=None):
     p = stage_parser("Stage 1: supervised fine-tuning on (prompt, response) pairs, loss on the response only.",
-                     default_path("checkpoints", "sft"))
+                     default_path("checkpoints", "sft"), DEFAULTS)
     p.add_argument("--init", default=default_path("checkpoints", "pretrain"),
                    help="the pretrained checkpoint to fine-tune (written by 0-PRETRAIN.py)")
     p.add_argument("--train_files", nargs="+", default=[default_path("data", "sft", "train.jsonl")],
@@ -247,13 +247,9 @@ def main(argv=None):
             if step % args.eval_every == 0 or step == args.max_steps:
                 evaluate_and_answer(row)
             metrics.add(**row)
-            if stop.requested(accelerator):
-                save(final=False)
-                accelerator.print(f"interrupted at step {step}; state saved in {args.output_dir}. Continue with: "
-                                  f"{command_line()} --resume")
-                return stop.exit_code
-            if args.save_every and step % args.save_every == 0 and step < args.max_steps:
-                save(final=False)
+            interrupted = save_between_steps(stop, accelerator, step, args, lambda: save(final=False))
+            if interrupted is not None:
+                return interrupted
     bar.close()
     save(final=step >= args.max_steps)
     if step < args.max_steps:

@@ -33,7 +33,8 @@ from corpus import expand_files, pad_right, read_jsonl, read_lines
 from gpt_model import GPTConfig, RewardModel
 from reward import pair_metrics, pairwise_loss, pointwise_loss, score_texts
 from training import (BatchSchedule, MetricsLog, StopSignal, gather_rng_states, load_training_state, lr_at,
-                      make_accelerator, make_optimizer, save_training_state, set_lr, spread_subset)
+                      make_accelerator, make_optimizer, save_between_steps, save_training_state, set_lr,
+                      spread_subset)
 
 # Run length and optimisation per preset; every value can be overridden on the command line. The model's shape
 # comes from --init, so the preset only sets how long and how fast to train. With its prompt a review is at most
@@ -53,7 +54,7 @@ PAIR_FIELDS = ("prompt", "chosen", "rejected")
 
 def parse_args(argv=None):
     p = stage_parser("Stage 2: train a reward model on preference pairs (Bradley–Terry loss), or score texts with "
-                     "one (--score).", default_path("checkpoints", "rm"))
+                     "one (--score).", default_path("checkpoints", "rm"), DEFAULTS)
     p.add_argument("--init", default=default_path("checkpoints", "sft"),
                    help="GPT checkpoint whose weights start the backbone (the SFT stage's output)")
     p.add_argument("--train_files", nargs="+", default=[default_path("data", "rm", "train.jsonl")],
@@ -315,13 +316,9 @@ def main(argv=None):
                 bar.write(f"step {step}: val loss {result['loss']:.3f}, accuracy {result['accuracy']:.1%}, "
                           f"margin {result['margin']:.2f}")
             metrics.add(**row)
-            if stop.requested(accelerator):
-                save(False, latest_val())
-                accelerator.print(f"interrupted at step {step}; state saved in {args.output_dir}. Continue with: "
-                                  f"{command_line()} --resume")
-                return stop.exit_code
-            if args.save_every and step % args.save_every == 0 and step < args.max_steps:
-                save(False, latest_val())
+            interrupted = save_between_steps(stop, accelerator, step, args, lambda: save(False, latest_val()))
+            if interrupted is not None:
+                return interrupted
     bar.close()
     if step < args.max_steps:
         save(False, latest_val())

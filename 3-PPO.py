@@ -38,7 +38,8 @@ from cli import UserError, default_path, fill_defaults, non_negative_float, posi
 from corpus import pad_left, read_jsonl
 from gpt_model import RewardModel, generate, last_real_index
 from training import (BatchSchedule, MetricsLog, StopSignal, gather_rng_states, load_training_state, lr_at,
-                      make_accelerator, make_optimizer, mean_over_processes, save_training_state, set_lr)
+                      make_accelerator, make_optimizer, mean_over_processes, save_between_steps, save_training_state,
+                      set_lr)
 
 # max_steps = PPO iterations; batch_size = sequences per update micro-batch; rollout_size = prompts per iteration
 DEFAULTS = {
@@ -55,7 +56,7 @@ DEFAULTS = {
 
 def parse_args(argv=None):
     p = stage_parser("Stage 3: PPO against the reward model with a KL penalty to the SFT model.",
-                     default_path("checkpoints", "ppo"))
+                     default_path("checkpoints", "ppo"), DEFAULTS)
     p.add_argument("--policy", default=default_path("checkpoints", "sft"), help="SFT checkpoint: policy and reference")
     p.add_argument("--reward", default=default_path("checkpoints", "rm"), help="reward model checkpoint (2-RM.py)")
     p.add_argument("--prompts_file", default=default_path("data", "ppo", "prompts.jsonl"))
@@ -349,13 +350,9 @@ def main(argv=None):
             if step % args.eval_every == 0 and step < args.max_steps:
                 row["val_score"] = held_out_score(f"iteration {step}")[0]
             metrics.add(**row)
-            if stop.requested(accelerator):
-                save(final=False)
-                accelerator.print(f"interrupted at iteration {step}; state saved in {args.output_dir}. Continue "
-                                  f"with: {command_line()} --resume")
-                return stop.exit_code
-            if args.save_every and step % args.save_every == 0 and step < args.max_steps:
-                save(final=False)
+            interrupted = save_between_steps(stop, accelerator, step, args, lambda: save(final=False))
+            if interrupted is not None:
+                return interrupted
     bar.close()
     if step < args.max_steps:
         save(final=False)

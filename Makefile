@@ -8,7 +8,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.requirements.stamp
 
-.PHONY: pipeline test venv clean-checkpoints
+.PHONY: pipeline test venv
 
 venv: $(STAMP)
 

@@ -1,4 +1,4 @@
-"""Stage checkpoints: the hand-off between stages (design.md section 5).
+"""Stage checkpoints: the hand-off between stages.
 
 A checkpoint is a directory::
 
@@ -79,6 +79,7 @@ def save_checkpoint(output_dir: str, model, tokenizer, meta: dict, write_state=N
     try:
         os.makedirs(parent, exist_ok=True)
         tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(output_dir)}.tmp-", dir=parent)
+        os.chmod(tmp, 0o755)  # mkdtemp makes it private; a checkpoint is readable like any other output
         save_model(model, os.path.join(tmp, MODEL_FILE))  # handles the tied embedding/head weights
         config = {"model": model.cfg.to_dict(), "model_type": model_type, **meta}
         with open(os.path.join(tmp, CONFIG_FILE), "w", encoding="utf-8") as f:
@@ -126,7 +127,8 @@ def load_checkpoint(path: str, model_type: str | None = None, expect_vocab_size:
     """Load a stage checkpoint: ``(model, tokenizer, config)``, the model in eval mode on the CPU.
 
     Args:
-        model_type: "gpt" or "reward" to insist on one; a reward checkpoint also loads as "gpt" (its backbone).
+        model_type: "gpt" (a language model: pretrain, SFT or PPO) or "reward" to insist on one; "backbone" takes
+            either and returns the ``GPTModel`` (a reward model's backbone); None returns what was saved.
         expect_vocab_size: fail if the checkpoint's vocabulary differs.
     Raises:
         UserError: missing or damaged files, the wrong kind of model, or weights that do not fit the config.
@@ -143,6 +145,9 @@ def load_checkpoint(path: str, model_type: str | None = None, expect_vocab_size:
     if model_type == "reward" and saved_type != "reward":
         raise UserError(f"{path} is a '{saved_type}' checkpoint but a reward model is needed; "
                         f"pass a checkpoint written by 2-RM.py")
+    if model_type == "gpt" and saved_type == "reward":
+        raise UserError(f"{path} is a reward model, but a language model is needed here; pass a checkpoint "
+                        f"written by 0-PRETRAIN.py, 1-SFT.py or 3-PPO.py")
     model = MODEL_TYPES[saved_type](cfg)
     weights = os.path.join(path, MODEL_FILE)
     if not os.path.isfile(weights):
@@ -155,7 +160,7 @@ def load_checkpoint(path: str, model_type: str | None = None, expect_vocab_size:
     if missing or unexpected:
         raise UserError(f"{weights} does not match the architecture in its config.json (missing {missing[:3]}, "
                         f"unexpected {unexpected[:3]}); re-run the stage that wrote it")
-    if model_type == "gpt" and saved_type == "reward":
+    if model_type == "backbone" and saved_type == "reward":
         model = model.backbone
     tokenizer = load_tokenizer(os.path.join(path, TOKENIZER_DIR))
     if len(tokenizer) != cfg.vocab_size:
@@ -172,7 +177,7 @@ def load_weights_into(model, path: str) -> None:
     Raises:
         UserError: the architectures differ; the message names both configs.
     """
-    source, _, config = load_checkpoint(path, "gpt" if isinstance(model, GPTModel) else None)
+    source, _, config = load_checkpoint(path, "backbone" if isinstance(model, GPTModel) else None)
     if source.cfg != model.cfg:
         diff = {k: (v, model.cfg.to_dict()[k]) for k, v in source.cfg.to_dict().items() if model.cfg.to_dict()[k] != v}
         raise UserError(f"checkpoint {path} has another architecture than this run (checkpoint vs run: {diff}); "

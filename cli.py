@@ -26,11 +26,21 @@ def run(main, argv=None) -> None:
     sys.exit(code or 0)
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Shows an argument's default in --help only when there is one worth showing (not None, not a False flag);
+    the description and epilog keep their line breaks."""
+
+    def _get_help_string(self, action):
+        if action.default in (None, False) or "default:" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 class ArgumentParser(argparse.ArgumentParser):
     """``argparse.ArgumentParser`` whose errors are one line (no usage block) with exit code 2, like ``run``."""
 
     def __init__(self, **kwargs):
-        kwargs.setdefault("formatter_class", argparse.ArgumentDefaultsHelpFormatter)
+        kwargs.setdefault("formatter_class", HelpFormatter)
         super().__init__(**kwargs)
 
     def error(self, message):
@@ -72,15 +82,22 @@ def probability(text: str) -> float:
     return value
 
 
-def stage_parser(description: str, output_dir: str) -> ArgumentParser:
-    """An ``ArgumentParser`` with the flags every training stage shares (design.md section 1).
+def stage_parser(description: str, output_dir: str, defaults: dict) -> ArgumentParser:
+    """An ``ArgumentParser`` with the flags every training stage shares; ``--help`` ends with the stage's
+    per-preset ``defaults`` (the values used for flags left unset).
 
     The stage adds its own data and model-source flags (``--init``, ``--policy``/``--reward``) after this.
     """
     from gpt_model import PRESETS
 
-    p = ArgumentParser(description=description)
-    p.add_argument("--preset", default="demo", choices=sorted(PRESETS), help="size preset: model and run length")
+    sizes = "; ".join(f"{name}: {c.n_layers} layers x {c.emb_dim}, context {c.context_length}"
+                      for name, c in PRESETS.items())
+    epilog = "defaults per --preset (any flag overrides):\n" + "\n".join(
+        f"  {name}: " + ", ".join(f"--{k} {v}" for k, v in values.items()) for name, values in defaults.items())
+    p = ArgumentParser(description=description, epilog=epilog)
+    p.add_argument("--preset", default="demo", choices=sorted(PRESETS),
+                   help=f"run length and optimisation (see the end of this help); a new model also takes the "
+                        f"preset's size ({sizes}), a model from a checkpoint keeps its own")
     p.add_argument("--output_dir", default=output_dir, help="where the stage checkpoint is written")
     p.add_argument("--overwrite", action="store_true", help="replace an existing checkpoint in --output_dir")
     p.add_argument("--resume", action="store_true", help="continue from --output_dir/state (saved by --save_every)")

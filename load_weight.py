@@ -102,7 +102,7 @@ TOP_MAP = [("wte.weight", "tok_emb.weight"), ("wpe.weight", "pos_emb.weight"),
            ("ln_f.weight", "final_norm.scale"), ("ln_f.bias", "final_norm.shift")]
 # The causal-mask buffers older transformers versions saved with the weights.
 MASK_BUFFER = re.compile(r"h\.\d+\.attn\.(bias|masked_bias)")
-DOWNLOAD_HINT = ("on a machine with network: huggingface-cli download uer/gpt2-chinese-cluecorpussmall "
+DOWNLOAD_HINT = ("on a machine with network: hf download uer/gpt2-chinese-cluecorpussmall "
                  "--local-dir DIR, then copy DIR here")
 
 
@@ -261,7 +261,7 @@ def load_hf_gpt2(path: str) -> GPTModel:
 
     Args:
         path: a directory with ``config.json`` and ``model.safetensors`` or ``pytorch_model.bin`` (or their
-            sharded ``*.index.json`` forms), e.g. a ``huggingface-cli download ... --local-dir`` of
+            sharded ``*.index.json`` forms), e.g. a ``hf download ... --local-dir`` of
             uer/gpt2-chinese-cluecorpussmall or gpt2.
     Returns:
         A ``GPTModel`` whose logits equal ``transformers.GPT2LMHeadModel.from_pretrained(path)``'s.
@@ -393,7 +393,7 @@ EXAMPLES = """examples:
 
   # the real uer/gpt2-chinese-cluecorpussmall (12 layers x 768, 1024 positions, our vocabulary):
   #   on a machine with network
-  huggingface-cli download uer/gpt2-chinese-cluecorpussmall --local-dir hf/uer-gpt2-chinese
+  hf download uer/gpt2-chinese-cluecorpussmall --local-dir hf/uer-gpt2-chinese
   #   then, with that directory here (no network needed), continue pretraining from it
   python 0-PRETRAIN.py --init_from_hf hf/uer-gpt2-chinese --preset uer-gpt2-chinese  # --context_length 256 on a CPU
   #   or first make a checkpoint of it, e.g. for 1-SFT.py --init checkpoints/hf-init

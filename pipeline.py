@@ -20,6 +20,7 @@ import sys
 import time
 
 from cli import ArgumentParser, UserError, default_path, run
+from gpt_model import PRESETS
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 CHECKPOINTS = {"pretrain": "checkpoints/pretrain", "sft": "checkpoints/sft", "rm": "checkpoints/rm",
@@ -32,7 +33,7 @@ REPORT_PROMPTS = ["写一条好评：", "写一条以“房间”开头的好评
 
 def parse_args(argv=None):
     p = ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--preset", default="demo", help="size preset passed to every stage")
+    p.add_argument("--preset", default="demo", choices=sorted(PRESETS), help="size preset passed to every stage")
     p.add_argument("--overwrite", action="store_true", help="replace the checkpoints and report of an earlier run")
     p.add_argument("--launch", default=f"{shlex.quote(sys.executable)}",
                    help='how to start each stage, e.g. "accelerate launch --mixed_precision bf16"')
@@ -48,7 +49,10 @@ def step(number: int, total: int, title: str, command: list[str], started: float
     print(f"\n=== [{number}/{total}] {title} (pipeline time so far {elapsed / 60:.1f} min) ===\n$ "
           f"{' '.join(shlex.quote(c) for c in command)}", flush=True)
     t0 = time.time()
-    result = subprocess.run(command, cwd=ROOT)
+    try:
+        result = subprocess.run(command, cwd=ROOT)
+    except OSError as e:
+        raise UserError(f"cannot start {command[0]!r} ({e.strerror}); check --launch") from e
     if result.returncode != 0:
         raise UserError(f"{title} failed (exit code {result.returncode}); see its message above, fix it, then run "
                         f"the pipeline again (add --overwrite to replace finished stages)")
@@ -82,6 +86,8 @@ def main(argv=None):
         raise UserError(f"an earlier run's checkpoints exist ({', '.join(existing)}); to keep them, move them away "
                         f"first; to replace them, run again with --overwrite (make pipeline ARGS=--overwrite)")
     launch = shlex.split(args.launch)
+    if not launch:
+        raise UserError('--launch is empty; give a command such as "python" or "accelerate launch"')
     py = [sys.executable]
     total = len(STAGES) + 3
     started = time.time()

@@ -204,6 +204,22 @@ class StopSignal:
         return 128 + (self.signum or signal.SIGINT)
 
 
+def save_between_steps(stop: "StopSignal", accelerator, step: int, args, save_resumable) -> int | None:
+    """What every stage does after a step: on Ctrl-C/SIGTERM, save a resumable state, print how to resume and
+    return the exit code (128 + the signal); otherwise save every ``--save_every`` steps and return None.
+    ``save_resumable()`` writes the checkpoint with its ``state/``. All processes must call it."""
+    from checkpoint import command_line
+
+    if stop.requested(accelerator):
+        save_resumable()
+        accelerator.print(f"interrupted at step {step}; state saved in {args.output_dir}. Continue with: "
+                          f"{command_line()} --resume")
+        return stop.exit_code
+    if args.save_every and step % args.save_every == 0 and step < args.max_steps:
+        save_resumable()
+    return None
+
+
 class MetricsLog:
     """Rows of metrics, one JSON object per line in ``metrics.jsonl``; ``plot`` draws every numeric series."""
 

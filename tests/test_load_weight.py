@@ -270,7 +270,7 @@ def test_configs_our_model_cannot_reproduce_are_refused(tmp_path, override, word
 
 
 def test_bad_directories(tmp_path):
-    with pytest.raises(UserError, match="not a local directory.*huggingface-cli download"):
+    with pytest.raises(UserError, match="not a local directory.*hf download"):
         load_weight.load_hf_gpt2(str(tmp_path / "uer" / "gpt2-chinese-cluecorpussmall"))
     with pytest.raises(UserError, match="no config.json"):
         load_weight.load_hf_gpt2(str(tmp_path))
@@ -403,7 +403,7 @@ def test_cli_errors_are_one_line_with_exit_code_2(tmp_path, capsys, uer_like):
 def test_cli_help_shows_the_uer_recipe(capsys):
     code, out, _ = run_cli(["--help"], capsys)
     assert code == 0
-    assert "huggingface-cli download uer/gpt2-chinese-cluecorpussmall --local-dir" in out
+    assert "hf download uer/gpt2-chinese-cluecorpussmall --local-dir" in out
     assert "0-PRETRAIN.py --init_from_hf" in out
 
 

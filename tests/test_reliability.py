@@ -156,6 +156,22 @@ def test_reward_checkpoint_required_where_a_reward_model_is_needed(tmp_path, tok
         load_checkpoint(str(out), "reward")
 
 
+def test_a_reward_model_is_not_a_language_model(tmp_path, tokenizer):
+    """A PPO --policy or an export needs a language model: a reward checkpoint is refused, while its backbone can
+    still initialise another stage (load_weights_into)."""
+    from gpt_model import RewardModel
+
+    out = tmp_path / "rm"
+    torch.manual_seed(0)
+    rm = RewardModel(get_preset("tiny"))
+    save_checkpoint(str(out), rm, tokenizer, {"stage": "rm"})
+    with pytest.raises(UserError, match="is a reward model"):
+        load_checkpoint(str(out), "gpt")
+    model = tiny_model()
+    load_weights_into(model, str(out))
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), rm.backbone.state_dict().values()))
+
+
 # --- bad data files -----------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("content, message", [
