@@ -38,11 +38,11 @@ from training import (BatchSchedule, MetricsLog, StopSignal, gather_rng_states, 
 
 # Run length and optimisation per preset; every value can be overridden on the command line. The model's shape
 # comes from --init, so the preset only sets how long and how fast to train. With its prompt a review is at most
-# ~135 tokens, so max_length 128 cuts about 1% of the pairs. demo: 300 steps x 16 pairs is one epoch.
+# ~135 tokens, so max_length 128 cuts about 1% of the pairs. demo: 450 steps x 16 pairs is 1.5 epochs.
 DEFAULTS = {
     "tiny": dict(max_steps=30, batch_size=8, learning_rate=2e-3, warmup_steps=3, eval_every=15, eval_examples=64,
                  max_length=64, head_lr_scale=10.0),
-    "demo": dict(max_steps=300, batch_size=16, learning_rate=5e-4, warmup_steps=15, eval_every=100,
+    "demo": dict(max_steps=450, batch_size=16, learning_rate=5e-4, warmup_steps=15, eval_every=150,
                  eval_examples=300, max_length=128, head_lr_scale=10.0),
     "gpt2-zh-small": dict(max_steps=1500, batch_size=16, learning_rate=2e-5, warmup_steps=100, eval_every=250,
                           eval_examples=1000, max_length=256, head_lr_scale=10.0, save_every=500),
