@@ -17,11 +17,12 @@ import time
 import torch
 from tqdm.auto import tqdm
 
-from checkpoint import check_output_dir, command_line, load_weights_into, parent_meta, read_config, save_checkpoint
+from checkpoint import (check_output_dir, check_vocab, command_line, load_weights_into, parent_meta, read_config,
+                        save_checkpoint)
 from chinese_tokenizer import load_tokenizer
 from cli import UserError, default_path, fill_defaults, run, stage_parser
 from corpus import PackedBlocks, load_text_documents
-from gpt_model import GPTConfig, GPTModel, generate, get_preset, next_token_loss, text_to_token_ids, token_ids_to_text
+from gpt_model import GPTConfig, GPTModel, generate, get_preset, text_to_token_ids, token_ids_to_text
 from training import (BatchSchedule, MetricsLog, StopSignal, Throughput, evaluate_lm, gather_rng_states,
                       load_training_state, lr_at, make_accelerator, make_optimizer, mean_over_processes,
                       save_between_steps, save_training_state, set_lr, spread_subset)
@@ -79,9 +80,7 @@ def main(argv=None):
     if args.resume:
         load_weights_into(model, args.output_dir)
     cfg = model.cfg
-    if len(tokenizer) != cfg.vocab_size:
-        raise UserError(f"the tokenizer has {len(tokenizer)} ids but the model's vocab_size is {cfg.vocab_size}; "
-                        f"use the matching --tokenizer")
+    check_vocab(tokenizer, cfg.vocab_size, f"--tokenizer {args.tokenizer}", "use the matching --tokenizer")
     block_len = args.context_length or cfg.context_length
     if not 1 < block_len <= cfg.context_length:
         raise UserError(f"--context_length {block_len} must be in 2..{cfg.context_length} (the model's positions)")
@@ -146,7 +145,7 @@ def main(argv=None):
                 batch = train.collate(schedule.indices(step, micro, accelerator.process_index))
                 input_ids, labels = batch["input_ids"].to(accelerator.device), batch["labels"].to(accelerator.device)
                 with accelerator.accumulate(model), accelerator.autocast():
-                    loss = next_token_loss(model(input_ids)["logits"], labels)
+                    loss = model(input_ids, labels=labels)["loss"]  # mean next-token cross-entropy
                     accelerator.backward(loss)  # divides by the accumulation steps once
                     if accelerator.sync_gradients:
                         accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)

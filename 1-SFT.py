@@ -31,7 +31,7 @@ from checkpoint import (CONFIG_FILE, check_output_dir, command_line, load_checkp
 from chinese_tokenizer import EOS_ID, chat_prompt_ids, decode, load_tokenizer
 from cli import UserError, default_path, fill_defaults, positive_int, run, stage_parser
 from corpus import ChatPairs, expand_files, length_grouped_batches, read_jsonl
-from gpt_model import generate, next_token_loss
+from gpt_model import generate
 from training import (BatchSchedule, MetricsLog, StopSignal, Throughput, evaluate_lm, gather_rng_states,
                       load_training_state, lr_at, make_accelerator, make_optimizer, save_between_steps,
                       save_training_state, set_lr, spread_subset)
@@ -224,8 +224,8 @@ def main(argv=None):
                 batch = train.collate(batches[schedule.indices(step, micro, accelerator.process_index)[0]])
                 batch = {k: v.to(accelerator.device) for k, v in batch.items()}
                 with accelerator.accumulate(model), accelerator.autocast():
-                    logits = model(batch["input_ids"], attention_mask=batch["attention_mask"])["logits"]
-                    loss = next_token_loss(logits, batch["labels"])  # mean over this batch's response tokens
+                    loss = model(batch["input_ids"], attention_mask=batch["attention_mask"],
+                                 labels=batch["labels"])["loss"]  # mean over this batch's response tokens
                     accelerator.backward(loss)  # divides by the accumulation steps once
                     if accelerator.sync_gradients:
                         accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)

@@ -25,7 +25,7 @@ import time
 import torch
 from tqdm.auto import tqdm
 
-from checkpoint import (check_output_dir, command_line, load_checkpoint, load_weights_into, parent_meta, read_config,
+from checkpoint import (check_output_dir, check_vocab, command_line, load_checkpoint, load_weights_into, parent_meta, read_config,
                         save_checkpoint)
 from chinese_tokenizer import apply_chat_template, load_tokenizer
 from cli import UserError, default_path, fill_defaults, positive_float, positive_int, run, stage_parser
@@ -193,9 +193,7 @@ def main(argv=None):
     if args.resume:
         load_weights_into(model, args.output_dir)
     cfg = model.cfg
-    if len(tokenizer) != cfg.vocab_size:
-        raise UserError(f"the tokenizer has {len(tokenizer)} ids but the model's vocab_size is {cfg.vocab_size}; "
-                        f"use the matching --tokenizer")
+    check_vocab(tokenizer, cfg.vocab_size, f"--tokenizer {args.tokenizer}", "use the matching --tokenizer")
     if not 4 <= args.max_length <= cfg.context_length:
         raise UserError(f"--max_length {args.max_length} must be in 4..{cfg.context_length} (the model's context)")
 

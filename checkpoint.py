@@ -110,6 +110,14 @@ def _replace_dir(new: str, target: str) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+def check_vocab(tokenizer, vocab_size: int, source: str, fix: str) -> None:
+    """Raise ``UserError`` unless ``tokenizer`` has exactly ``vocab_size`` ids: every id must name one row of the
+    model's embedding and one column of its logits. ``source`` names the model's origin, ``fix`` the remedy."""
+    if len(tokenizer) != vocab_size:
+        raise UserError(f"{source}: the tokenizer has {len(tokenizer)} ids but the model's vocab_size is "
+                        f"{vocab_size}; {fix}")
+
+
 def read_config(path: str) -> dict:
     """The ``config.json`` of checkpoint ``path``. Raises ``UserError`` if it is missing or unreadable."""
     config_path = os.path.join(path, CONFIG_FILE)
@@ -163,9 +171,7 @@ def load_checkpoint(path: str, model_type: str | None = None, expect_vocab_size:
     if model_type == "backbone" and saved_type == "reward":
         model = model.backbone
     tokenizer = load_tokenizer(os.path.join(path, TOKENIZER_DIR))
-    if len(tokenizer) != cfg.vocab_size:
-        raise UserError(f"checkpoint {path}: tokenizer has {len(tokenizer)} ids but the model has vocab_size "
-                        f"{cfg.vocab_size}; the checkpoint is inconsistent")
+    check_vocab(tokenizer, cfg.vocab_size, f"checkpoint {path}", "the checkpoint is inconsistent; re-run its stage")
     model.eval()
     return model, tokenizer, config
 

@@ -36,7 +36,7 @@ import sys
 
 import torch
 
-from checkpoint import load_checkpoint, read_config
+from checkpoint import check_vocab, load_checkpoint, read_config
 from chinese_tokenizer import EOS_ID, chat_prompt_ids, decode, encode
 from cli import ArgumentParser, UserError, default_path, non_negative_float, non_negative_int, positive_float, \
     positive_int, probability, run
@@ -61,6 +61,7 @@ def parse_args(argv=None):
     prompts.add_argument("--prompt", help="generate for this one prompt and print the answer")
     prompts.add_argument("--prompts_file", help="a file of prompts: one per line, or .jsonl lines with a \"prompt\"")
     p.add_argument("--output", help="where --prompts_file answers go as JSON lines (default: stdout)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing --output file")
     p.add_argument("--raw", action="store_true", help="continue the prompt text as is, even for an SFT/PPO checkpoint")
     p.add_argument("--max_new_tokens", type=positive_int, default=100, help="most tokens generated per answer")
     p.add_argument("--temperature", type=non_negative_float, default=0.8, help="0 means greedy decoding")
@@ -102,10 +103,8 @@ def load_policy(args):
             raise UserError(f"--from_hf {args.from_hf} is not a directory; give a local Hugging Face GPT-2 folder")
         model = load_hf_gpt2(args.from_hf)
         tokenizer = import_tokenizer(args.from_hf, args.tokenizer)
-        if len(tokenizer) != model.cfg.vocab_size:
-            raise UserError(f"{args.from_hf} has vocab_size {model.cfg.vocab_size} but the tokenizer has "
-                            f"{len(tokenizer)} ids; use Chinese GPT-2 weights with the BERT-Chinese vocabulary "
-                            f"(e.g. uer/gpt2-chinese-cluecorpussmall)")
+        check_vocab(tokenizer, model.cfg.vocab_size, f"--from_hf {args.from_hf}", "use Chinese GPT-2 weights with "
+                    "the BERT-Chinese vocabulary (e.g. uer/gpt2-chinese-cluecorpussmall)")
         log(f"loaded Hugging Face weights from {args.from_hf}: plain continuation")
         return model, tokenizer, False
 
@@ -294,6 +293,12 @@ def main(argv=None):
     prompts = read_prompts(args.prompts_file) if args.prompts_file else None
     if args.output and os.path.dirname(args.output) and not os.path.isdir(os.path.dirname(args.output)):
         raise UserError(f"--output {args.output}: folder {os.path.dirname(args.output)} does not exist; create it")
+    if args.output and os.path.exists(args.output):
+        if os.path.realpath(args.output) == os.path.realpath(args.prompts_file):
+            raise UserError(f"--output {args.output} is the --prompts_file itself; write the answers elsewhere")
+        if not args.overwrite:
+            raise UserError(f"--output {args.output} already exists; pass --overwrite to replace it or choose "
+                            f"another file")
     if args.temperature == 0 and args.num_samples > 1:
         log(f"note: --temperature 0 is greedy, so the {args.num_samples} samples will be the same")
 

@@ -306,7 +306,8 @@ class GPTModel(nn.Module):
 
     ``forward(input_ids, attention_mask=None, past_key_values=None, use_cache=False)`` returns a dict with
     ``"logits"`` (B, T, V) and ``"last_hidden_state"`` (B, T, E), plus ``"past_key_values"`` (a ``KVCache``) when
-    ``use_cache`` is set.
+    ``use_cache`` is set. Given ``labels`` (B, T), already shifted as in ``next_token_loss``, it returns
+    ``"loss"`` (the mean next-token cross-entropy, from ``chunked_next_token_loss``) instead of ``"logits"``.
 
     ``attention_mask`` (B, T_past + T) marks real tokens with 1 and padding with 0, left or right. Positions are
     counted from each row's first real token, so a padded row gives the same outputs at its real positions as the
@@ -382,10 +383,14 @@ class GPTModel(nn.Module):
             cache.length += seq_len
         return self.final_norm(x), cache  # (B, T, E)
 
-    def forward(self, input_ids, attention_mask=None, past_key_values: KVCache | None = None, use_cache=False):
+    def forward(self, input_ids, attention_mask=None, past_key_values: KVCache | None = None, use_cache=False,
+                labels=None):
         last_hidden_state, cache = self.hidden_states(input_ids, attention_mask, past_key_values, use_cache)
-        logits = self.out_head(last_hidden_state)  # (B, T, V)
-        out = {"logits": logits, "last_hidden_state": last_hidden_state}
+        out = {"last_hidden_state": last_hidden_state}
+        if labels is None:
+            out["logits"] = self.out_head(last_hidden_state)  # (B, T, V)
+        else:  # the loss straight from the hidden states: the (B, T, V) logits are never stored
+            out["loss"] = chunked_next_token_loss(last_hidden_state, self.out_head.weight, labels)
         if use_cache:
             out["past_key_values"] = cache
         return out
@@ -395,6 +400,90 @@ def next_token_loss(logits, labels):
     """Mean cross-entropy of ``logits`` (B, T, V) against ``labels`` (B, T), already shifted so that
     ``labels[:, t]`` is the token that should follow position t; label -100 is ignored. Computed in float32."""
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
+
+
+def chunked_next_token_loss(hidden, weight, labels, chunk_rows: int | None = None):
+    """``next_token_loss(hidden @ weight.T, labels)`` without ever holding the (N, V) logits.
+
+    Args:
+        hidden: (B, T, E) final-normed hidden states (``last_hidden_state``).
+        weight: (V, E) output head weight (``out_head.weight``).
+        labels: (B, T) next-token ids, already shifted; -100 is ignored.
+        chunk_rows: at most this many rows of logits at a time (default: about 8M logits, 32 MB in float32, per
+            chunk); the rows are split into equal chunks.
+    Returns:
+        the mean cross-entropy over the labels that are not -100, a float32 scalar (NaN if there are none, as
+        ``F.cross_entropy`` gives).
+
+    Rows whose label is -100 (SFT prompts, padding) never go through the head. With gradients on, each chunk's
+    softmax becomes its gradient right away (d loss / d logits = softmax - one_hot) and is multiplied into the
+    gradients of ``hidden`` and ``weight`` before the next chunk, so the backward pass only rescales them. This
+    is the fused linear cross-entropy of Liger Kernel (Hsu et al. 2024) and of "Cut Your Losses in
+    Large-Vocabulary Language Models" (Wijmans et al. 2024), in plain PyTorch. Under autocast the matmuls run
+    in the autocast dtype and the softmax in float32, as ``out_head`` + ``next_token_loss`` would. The
+    gradient cannot be differentiated again (no double backward).
+    """
+    flat_hidden, flat_labels = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)  # (N, E), (N,)
+    rows = (flat_labels != -100).nonzero().squeeze(1)  # (n,) the positions that count
+    chunk_rows = chunk_rows or max(1, (1 << 23) // weight.shape[0])
+    if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
+        return _ChunkedLinearCrossEntropy.apply(flat_hidden, weight, flat_labels, rows, chunk_rows)
+    return _chunked_head_loss(flat_hidden, weight, flat_labels, rows, chunk_rows, with_grads=False)[0]
+
+
+def _chunked_head_loss(flat_hidden, weight, flat_labels, rows, chunk_rows, with_grads):
+    """The chunk loop of ``chunked_next_token_loss``: (mean loss, grad of hidden (N, E) or None, grad of weight
+    (V, E) or None), the gradients of the mean loss."""
+    device = flat_hidden.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
+    count = rows.numel()
+    total = torch.zeros((), dtype=torch.float32, device=flat_hidden.device)
+    grad_hidden = torch.zeros_like(flat_hidden) if with_grads else None  # (N, E)
+    sum_dtype = torch.promote_types(weight.dtype, torch.float32)  # bf16 weights still sum their gradient in fp32
+    grad_weight = torch.zeros(weight.shape, dtype=sum_dtype, device=weight.device) if with_grads else None
+    num_chunks = -(-count // chunk_rows)
+    chunk_rows = max(1, -(-count // max(num_chunks, 1)))  # equal chunks: a small last one would waste a pass over w
+    with torch.autocast(device, enabled=False):
+        w = weight.to(dtype)  # (V, E) one cast for all chunks
+        for start in range(0, count, chunk_rows):
+            at = rows[start:start + chunk_rows]  # (c,)
+            h = flat_hidden[at].to(dtype)  # (c, E)
+            y = flat_labels[at][:, None]  # (c, 1)
+            logits = (h @ w.t()).float()  # (c, V)
+            picked = logits.gather(1, y)  # (c, 1)
+            peak = logits.amax(dim=1, keepdim=True)  # (c, 1)
+            probs = logits.sub_(peak).exp_()  # (c, V) unnormalised softmax, in place of the logits
+            norm = probs.sum(dim=1, keepdim=True)  # (c, 1)
+            total += (peak + norm.log() - picked).sum()  # log-sum-exp minus the label's logit
+            if with_grads:
+                # d mean / d logits = (softmax - one_hot) / count
+                probs.mul_(1.0 / (norm * count)).scatter_add_(1, y, torch.full_like(probs[:, :1], -1.0 / count))
+                grad = probs.to(dtype)  # (c, V)
+                grad_hidden[at] = (grad @ w).to(grad_hidden.dtype)  # (c, E)
+                if dtype == sum_dtype:
+                    grad_weight.addmm_(grad.t(), h)  # (V, E)
+                else:
+                    grad_weight += grad.t() @ h  # (V, E) each chunk's bf16 product summed in float32
+    mean = total / count if count else total * float("nan")
+    return mean, grad_hidden, grad_weight
+
+
+class _ChunkedLinearCrossEntropy(torch.autograd.Function):
+    """Autograd wrapper of ``_chunked_head_loss``: the gradients are computed in forward, scaled in backward."""
+
+    @staticmethod
+    def forward(ctx, flat_hidden, weight, flat_labels, rows, chunk_rows):
+        mean, grad_hidden, grad_weight = _chunked_head_loss(flat_hidden, weight, flat_labels, rows, chunk_rows,
+                                                            with_grads=True)
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        ctx.weight_dtype = weight.dtype
+        return mean
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        return (grad_hidden * grad_output.to(grad_hidden.dtype), (grad_weight * grad_output).to(ctx.weight_dtype),
+                None, None, None)
 
 
 class ScalarHead(nn.Module):

@@ -68,7 +68,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from checkpoint import (_replace_dir, command_line, file_sha256, load_checkpoint, load_pickle_free,
+from checkpoint import (_replace_dir, check_vocab, command_line, file_sha256, load_checkpoint, load_pickle_free,
                         save_checkpoint)
 from chinese_tokenizer import CLS_ID, PAD_ID, SEP_ID, VOCAB_SIZE, TokenizerError, load_tokenizer
 from cli import ArgumentParser, UserError, default_path, run
@@ -457,10 +457,8 @@ def main(argv=None):
                         f"choose another directory")
     model = load_hf_gpt2(args.from_hf)
     tokenizer = import_tokenizer(args.from_hf, args.tokenizer)
-    if len(tokenizer) != model.cfg.vocab_size:
-        raise UserError(f"{args.from_hf} has vocab_size {model.cfg.vocab_size} but the tokenizer has {len(tokenizer)} "
-                        f"ids; stage checkpoints need the 21128-id Chinese vocabulary (e.g. uer/gpt2-chinese-"
-                        f"cluecorpussmall), not OpenAI's BPE")
+    check_vocab(tokenizer, model.cfg.vocab_size, f"--from_hf {args.from_hf}", "stage checkpoints need the 21128-id "
+                "Chinese vocabulary (e.g. uer/gpt2-chinese-cluecorpussmall), not OpenAI's BPE")
     files = hf_weight_files(args.from_hf)
     meta = {"stage": "hf-import", "parent": os.path.abspath(args.from_hf),
             "parent_sha256": file_sha256(files[0]) if len(files) == 1 else None,

@@ -22,7 +22,6 @@ import time
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from cli import UserError
@@ -282,12 +281,13 @@ def evaluate_lm(model, examples, collate, batch_size: int, accelerator) -> float
     mine = examples[accelerator.process_index::accelerator.num_processes]
     for start in range(0, len(mine), batch_size):
         batch = {k: v.to(accelerator.device) for k, v in collate(mine[start:start + batch_size]).items()}
+        count = (batch["labels"] != -100).sum()
+        if not count:
+            continue  # nothing to predict in this batch (its mean loss would be NaN)
         with accelerator.autocast():
-            logits = model(batch["input_ids"], attention_mask=batch.get("attention_mask"))["logits"]
-        labels = batch["labels"]
-        total[0] += F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100,
-                                    reduction="sum")
-        total[1] += (labels != -100).sum()
+            loss = model(batch["input_ids"], attention_mask=batch.get("attention_mask"), labels=batch["labels"])["loss"]
+        total[0] += loss * count
+        total[1] += count
     total = accelerator.reduce(total, reduction="sum") if accelerator.num_processes > 1 else total
     model.train(was_training)
     return (total[0] / total[1].clamp(min=1)).item()

@@ -35,7 +35,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from gpt_model import PRESETS, GPTModel, generate, get_preset, next_token_loss  # noqa: E402
+from gpt_model import PRESETS, GPTModel, generate, get_preset  # noqa: E402
 from load_weight import gpt_to_hf_state_dict, hf_config_from_gpt  # noqa: E402
 
 PROMPT_LEN = 16  # tokens of the random prompt that every generation starts from
@@ -83,7 +83,7 @@ def check_same_outputs(models, cfg, device):
     our_logits = ours(ids)["logits"]
     out = hf(input_ids=ids, labels=ids)
     gap = (our_logits - out.logits).abs().max().item()
-    our_loss = next_token_loss(our_logits, shifted_labels(ids))
+    our_loss = ours(ids, labels=shifted_labels(ids))["loss"]  # the loss the timed runs use
     loss_gap = abs(our_loss.item() - out.loss.item())
     if gap > 1e-4 or loss_gap > 1e-5:
         raise SystemExit(f"bench: our logits differ from transformers' by {gap:.2e} (loss by {loss_gap:.2e}); "
@@ -129,7 +129,7 @@ class Workloads:
         model.train()
         with autocast(self.args.device, dtype):
             if name == "ours":
-                loss = next_token_loss(model(ids)["logits"], self.train_labels)
+                loss = model(ids, labels=self.train_labels)["loss"]
             else:
                 loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
@@ -142,7 +142,7 @@ class Workloads:
         model.eval()
         with autocast(self.args.device, dtype):
             if name == "ours":
-                next_token_loss(model(ids)["logits"], self.train_labels).item()
+                model(ids, labels=self.train_labels)["loss"].item()
             else:
                 model(input_ids=ids, labels=ids).loss.item()
 

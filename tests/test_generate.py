@@ -199,6 +199,12 @@ def test_prompts_file_text_and_jsonl(capsys, tmp_path, ckpts, policy, tokenizer)
     assert code == 0 and out == ""
     assert output.read_text(encoding="utf-8").splitlines() == [
         json.dumps({"prompt": p, "response": r}, ensure_ascii=False) for p, r in zip(prompts, expected)]
+    output.write_text("keep me\n", encoding="utf-8")  # an existing file is kept unless --overwrite is given
+    code, _, err = cli(capsys, "--checkpoint", ckpts["sft"], "--prompts_file", jsonl_file, "--output", output)
+    assert code == 2 and "--overwrite" in err and output.read_text(encoding="utf-8") == "keep me\n"
+    code, _, _ = cli(capsys, "--checkpoint", ckpts["sft"], "--prompts_file", jsonl_file, "--output", output,
+                     "--overwrite", "--temperature", 0, "--max_new_tokens", 6)
+    assert code == 0 and len(output.read_text(encoding="utf-8").splitlines()) == len(prompts)
 
 
 def test_file_answer_equals_single_prompt_answer(capsys, tmp_path, ckpts):
@@ -275,6 +281,8 @@ def test_default_checkpoint_is_the_latest_stage(capsys, monkeypatch, tmp_path, c
     (["--prompt", "x", "--output", "a.jsonl"], ["--output", "--prompts_file"]),
     (["--prompt", "x", "--checkpoint", "{sft}", "--device", "toaster"], ["--device", "cpu"]),
     (["--prompts_file", "{root}/ok.txt", "--output", "{root}/no/such/dir/out.jsonl"], ["--output", "create it"]),
+    (["--prompts_file", "{root}/ok.txt", "--output", "{root}/blank.txt"], ["--output", "already exists", "--overwrite"]),
+    (["--prompts_file", "{root}/ok.txt", "--output", "{root}/ok.txt", "--overwrite"], ["--prompts_file itself"]),
 ])
 def test_bad_input_is_one_line_and_exit_2(capsys, tmp_path, ckpts, argv, words):
     (tmp_path / "bad.jsonl").write_text('{"prompt": "好"}\n{"text": "no prompt here"}\n', encoding="utf-8")

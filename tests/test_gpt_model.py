@@ -386,6 +386,97 @@ def test_inputs_and_targets_shifted_by_one_give_the_hand_loss():
     assert gm.next_token_loss(logits, ignored[None]).item() == pytest.approx(sum(kept) / len(kept), rel=1e-5)
 
 
+def hidden_weight_labels(n_rows=18, vocab=50, emb=16, seed=0):
+    """Random (2, n_rows / 2, emb) hidden states and (vocab, emb) head weight that need grads, and labels with
+    some -100 (a prompt at the start of row 0, padding at the end of row 1)."""
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(2, n_rows // 2, emb, generator=g).requires_grad_()
+    weight = torch.randn(vocab, emb, generator=g).requires_grad_()
+    labels = torch.randint(0, vocab, (2, n_rows // 2), generator=g)
+    labels[0, :3] = -100
+    labels[1, -2:] = -100
+    return hidden, weight, labels
+
+
+def hand_loss(hidden, weight, labels):
+    """Mean over kept positions of log-sum-exp(z) - z_label, one position at a time in float64."""
+    terms = []
+    for h, y in zip(hidden.detach().double().reshape(-1, hidden.shape[-1]), labels.reshape(-1).tolist()):
+        if y != -100:
+            z = weight.detach().double() @ h
+            terms.append((torch.logsumexp(z, 0) - z[y]).item())
+    return sum(terms) / len(terms)
+
+
+@pytest.mark.parametrize("chunk_rows", [1, 4, 5, 13, None, 1000])
+def test_chunked_loss_and_gradients_equal_the_logits_loss(chunk_rows):
+    """The loss from hidden states, whatever the chunking, equals next_token_loss on the full logits and the hand
+    formula; its gradients for the hidden states and the head weight equal autograd's through the logits."""
+    hidden, weight, labels = hidden_weight_labels()
+    expected = gm.next_token_loss(hidden @ weight.t(), labels)
+    got = gm.chunked_next_token_loss(hidden, weight, labels, chunk_rows)
+    assert got.dtype == torch.float32
+    assert got.item() == pytest.approx(hand_loss(hidden, weight, labels), rel=1e-5)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    for a, b in zip(torch.autograd.grad(got, (hidden, weight)), torch.autograd.grad(expected, (hidden, weight))):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+def test_chunked_loss_scales_with_the_upstream_gradient_and_skips_ignored_rows():
+    """(3 * loss).backward() gives three times the gradients; ignored positions get a zero gradient; without
+    grad mode the same value comes back."""
+    hidden, weight, labels = hidden_weight_labels()
+    (3 * gm.chunked_next_token_loss(hidden, weight, labels, 4)).backward()
+    expected = torch.autograd.grad(3 * gm.next_token_loss(hidden @ weight.t(), labels), (hidden, weight))
+    torch.testing.assert_close(hidden.grad, expected[0], atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(weight.grad, expected[1], atol=1e-6, rtol=1e-5)
+    assert hidden.grad[0, :3].abs().max() == 0 and hidden.grad[1, -2:].abs().max() == 0
+    assert hidden.grad[0, 3:].abs().min() > 0
+    with torch.no_grad():
+        value = gm.chunked_next_token_loss(hidden, weight, labels, 4)
+    assert value.item() == pytest.approx(hand_loss(hidden, weight, labels), rel=1e-5)
+
+
+def test_chunked_loss_with_every_label_ignored_is_nan_like_cross_entropy():
+    hidden, weight, labels = hidden_weight_labels()
+    ignored = torch.full_like(labels, -100)
+    assert math.isnan(gm.next_token_loss(hidden @ weight.t(), ignored).item())
+    assert math.isnan(gm.chunked_next_token_loss(hidden, weight, ignored).item())
+
+
+def test_chunked_loss_under_bf16_autocast_is_close_to_the_autocast_logits_loss():
+    """Under CPU autocast the head runs in bfloat16 and the softmax in float32 on both paths: the losses agree
+    closely, the gradients to bfloat16 precision."""
+    hidden, weight, labels = hidden_weight_labels(n_rows=200, vocab=300, emb=32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = gm.next_token_loss(F.linear(hidden, weight), labels)
+        got = gm.chunked_next_token_loss(hidden, weight, labels, 16)
+    assert got.item() == pytest.approx(expected.item(), rel=1e-4)
+    assert got.item() == pytest.approx(hand_loss(hidden, weight, labels), rel=2e-2)
+    for a, b in zip(torch.autograd.grad(got, (hidden, weight)), torch.autograd.grad(expected, (hidden, weight))):
+        assert a.dtype == b.dtype == torch.float32
+        torch.testing.assert_close(a, b, atol=2e-2 * b.abs().max().item(), rtol=0)
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_model_loss_from_labels_equals_the_logits_loss_with_the_same_gradients(tie):
+    """model(ids, labels=...) gives "loss" (no "logits"), equal in value and in every parameter's gradient to
+    next_token_loss on model(ids)["logits"], for a right-padded batch."""
+    model = random_model(small_cfg(tie_embeddings=tie), seed=5)
+    ids = torch.randint(1, 61, (2, 10), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, 7:] = 0
+    labels = torch.cat((ids[:, 1:], torch.full((2, 1), -100)), dim=1).masked_fill(mask == 0, -100)
+    out = model(ids, attention_mask=mask, labels=labels)
+    assert "logits" not in out and out["last_hidden_state"].shape == (2, 10, 24)
+    expected = gm.next_token_loss(model(ids, attention_mask=mask)["logits"], labels)
+    torch.testing.assert_close(out["loss"], expected, atol=1e-5, rtol=1e-5)
+    params = [p for p in model.parameters()]
+    for name, a, b in zip([n for n, _ in model.named_parameters()], torch.autograd.grad(out["loss"], params),
+                          torch.autograd.grad(expected, params)):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4, msg=name)
+
+
 @pytest.mark.parametrize("position_embedding", ["learned", "rope"])
 @pytest.mark.parametrize("attention", ["sdpa", "math"])
 def test_causal_mask_blocks_the_future(attention, position_embedding):
@@ -437,7 +528,7 @@ def memorised(tokenizer):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.0)
     losses = []
     for _ in range(120):
-        loss = gm.next_token_loss(model(ids, attention_mask=(ids != ct.PAD_ID).long())["logits"], labels)
+        loss = model(ids, attention_mask=(ids != ct.PAD_ID).long(), labels=labels)["loss"]
         opt.zero_grad()
         loss.backward()
         opt.step()

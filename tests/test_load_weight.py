@@ -384,7 +384,7 @@ def test_cli_errors_are_one_line_with_exit_code_2(tmp_path, capsys, uer_like):
     openai = random_hf_gpt2(50257, seed=12)
     save_bare_safetensors(openai, str(tmp_path / "openai"))
     code, _, err = run_cli(["--from_hf", str(tmp_path / "openai"), "--to_checkpoint", str(tmp_path / "ck")], capsys)
-    assert code == 2 and "vocab_size 50257" in err and err.count("\n") == 1
+    assert code == 2 and "vocab_size is 50257" in err and err.count("\n") == 1
     assert not (tmp_path / "ck").exists()
 
     code, _, err = run_cli(["--checkpoint", str(tmp_path / "ck")], capsys)

@@ -135,6 +135,15 @@ def test_weights_file_replaced_by_a_pickle_is_refused(tmp_path, tokenizer):
     assert not marker.exists()
 
 
+def test_checkpoint_whose_tokenizer_does_not_fit_its_model(tmp_path, tokenizer):
+    """A model with 61 embedding rows saved beside the 21128-id tokenizer is refused on load, naming both sizes."""
+    out = tmp_path / "ckpt"
+    save_checkpoint(str(out), tiny_model(vocab_size=61), tokenizer, {"stage": "pretrain"})
+    with pytest.raises(UserError, match=r"ckpt: the tokenizer has 21128 ids but the model's vocab_size is 61; "
+                                        r"the checkpoint is inconsistent"):
+        load_checkpoint(str(out))
+
+
 def test_checkpoint_from_another_vocab_or_architecture(tmp_path, tokenizer):
     """Loading into the wrong vocabulary or shape fails with one message naming both sides."""
     out = tmp_path / "ckpt"
