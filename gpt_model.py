@@ -568,7 +568,6 @@ def apply_repetition_penalty(logits, idx, penalty: float):
     return logits.scatter(1, idx, seen)
 
 
-@torch.no_grad()
 def generate(model, idx, max_new_tokens, context_size, temperature=0.0, top_k=None, top_p=None, eos_id=None,
              attention_mask=None, repetition_penalty=1.0, stream=None):
     """Continue each row of ``idx`` (B, T) by up to ``max_new_tokens`` tokens; returns (B, T + n) LongTensor.
@@ -594,46 +593,49 @@ def generate(model, idx, max_new_tokens, context_size, temperature=0.0, top_k=No
         raise ValueError(f"temperature must be >= 0 (0 means greedy), got {temperature}")
     if repetition_penalty <= 0:
         raise ValueError(f"repetition_penalty must be > 0, got {repetition_penalty}")
-    was_training = model.training
-    model.eval()
-    padded = attention_mask is not None and not bool(attention_mask.all())
-    if not padded:
-        attention_mask = None  # no padding: the model needs no mask, so no step builds, checks or extends one
-    finished = torch.zeros(idx.shape[0], dtype=torch.bool, device=idx.device)
-    cache, logits = None, None
-    for _ in range(max_new_tokens):
-        if logits is None:
-            # a full pass over the last context_size tokens; keep its keys/values while later steps still fit
-            window = idx[:, -context_size:]
-            window_mask = attention_mask[:, -context_size:] if padded else None
-            out = model(window, attention_mask=window_mask, use_cache=idx.shape[1] < context_size)
-            cache, logits = out.get("past_key_values"), out["logits"][:, -1, :]  # (B, V)
-        logits = logits.float()
-        if repetition_penalty != 1.0:
-            logits = apply_repetition_penalty(logits, idx, repetition_penalty)
-        if temperature == 0.0:
-            next_ids = logits.argmax(dim=-1)  # (B,)
-        else:
-            probs = torch.softmax(filter_logits(logits / temperature, top_k, top_p), dim=-1)  # (B, V)
-            next_ids = sample_from(probs)  # (B,)
-        if eos_id is not None:
-            next_ids = next_ids.masked_fill(finished, eos_id)
-            finished |= next_ids == eos_id
-        idx = torch.cat((idx, next_ids[:, None]), dim=1)  # (B, T + 1)
-        if padded:
-            attention_mask = torch.cat((attention_mask, torch.ones_like(attention_mask[:, :1])), dim=1)
-        if stream is not None:
-            stream(next_ids)
-        if eos_id is not None and bool(finished.all()):
-            break
-        if cache is not None and idx.shape[1] <= context_size:
-            # one new token against the cached keys/values: positions continue from the cache length
-            out = model(next_ids[:, None], attention_mask=attention_mask, past_key_values=cache, use_cache=True)
-            logits = out["logits"][:, -1, :]
-        else:
-            cache, logits = None, None  # past the context: the window slides, so positions must be recomputed
-    model.train(was_training)
-    return idx
+    # inference mode: no autograd bookkeeping at all (faster than no_grad); the result is cloned out of it
+    # so that callers may train on the generated ids (PPO does)
+    with torch.inference_mode():
+        was_training = model.training
+        model.eval()
+        padded = attention_mask is not None and not bool(attention_mask.all())
+        if not padded:
+            attention_mask = None  # no padding: the model needs no mask, so no step builds, checks or extends one
+        finished = torch.zeros(idx.shape[0], dtype=torch.bool, device=idx.device)
+        cache, logits = None, None
+        for _ in range(max_new_tokens):
+            if logits is None:
+                # a full pass over the last context_size tokens; keep its keys/values while later steps still fit
+                window = idx[:, -context_size:]
+                window_mask = attention_mask[:, -context_size:] if padded else None
+                out = model(window, attention_mask=window_mask, use_cache=idx.shape[1] < context_size)
+                cache, logits = out.get("past_key_values"), out["logits"][:, -1, :]  # (B, V)
+            logits = logits.float()
+            if repetition_penalty != 1.0:
+                logits = apply_repetition_penalty(logits, idx, repetition_penalty)
+            if temperature == 0.0:
+                next_ids = logits.argmax(dim=-1)  # (B,)
+            else:
+                probs = torch.softmax(filter_logits(logits / temperature, top_k, top_p), dim=-1)  # (B, V)
+                next_ids = sample_from(probs)  # (B,)
+            if eos_id is not None:
+                next_ids = next_ids.masked_fill(finished, eos_id)
+                finished |= next_ids == eos_id
+            idx = torch.cat((idx, next_ids[:, None]), dim=1)  # (B, T + 1)
+            if padded:
+                attention_mask = torch.cat((attention_mask, torch.ones_like(attention_mask[:, :1])), dim=1)
+            if stream is not None:
+                stream(next_ids)
+            if eos_id is not None and bool(finished.all()):
+                break
+            if cache is not None and idx.shape[1] <= context_size:
+                # one new token against the cached keys/values: positions continue from the cache length
+                out = model(next_ids[:, None], attention_mask=attention_mask, past_key_values=cache, use_cache=True)
+                logits = out["logits"][:, -1, :]
+            else:
+                cache, logits = None, None  # past the context: the window slides, so positions must be recomputed
+        model.train(was_training)
+    return idx.clone()
 
 
 def text_to_token_ids(text, tokenizer):

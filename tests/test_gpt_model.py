@@ -872,6 +872,16 @@ def test_generate_turns_dropout_off_and_restores_the_mode():
     assert model.training
 
 
+def test_generated_ids_can_be_trained_on():
+    """generate runs in inference mode, but what it returns is an ordinary tensor: a training pass over it (as PPO
+    does with its rollouts) can save it for backward."""
+    model = random_model(small_cfg(), seed=20)
+    sequences = gm.generate(model, torch.tensor([[3, 4, 5]]), 6, 16)
+    assert not sequences.is_inference()
+    model(sequences[:, :-1], labels=sequences[:, 1:])["loss"].backward()
+    assert model.tok_emb.weight.grad is not None
+
+
 # --------------------------------------------------------------------------------------------------------------
 # reward model
 
