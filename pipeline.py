@@ -110,7 +110,8 @@ def main(argv=None):
         out = os.path.join(args.report_dir, f"answers-{stage}.jsonl")
         step(len(STAGES) + 2, total, f"generate.py with the {stage} model", py + [
             "generate.py", "--checkpoint", CHECKPOINTS[stage], "--prompts_file", prompts_file, "--output", out,
-            "--reward", CHECKPOINTS["rm"], "--num_samples", "1", "--max_new_tokens", "48", "--temperature", "0"],
+            "--reward", CHECKPOINTS["rm"], "--num_samples", "1", "--max_new_tokens", "48", "--temperature", "0",
+            "--overwrite"],  # the answers belong to this run's models: replace an earlier run's
             started)
         answers[stage] = read_rows(out)
     times["generate"] = time.time() - t0
