@@ -25,8 +25,8 @@ import time
 import torch
 from tqdm.auto import tqdm
 
-from checkpoint import (check_output_dir, check_vocab, command_line, load_checkpoint, load_weights_into, parent_meta, read_config,
-                        save_checkpoint)
+from checkpoint import (check_output_dir, check_vocab, command_line, load_checkpoint, load_weights_into, parent_meta,
+                        read_config, save_checkpoint)
 from chinese_tokenizer import apply_chat_template, load_tokenizer
 from cli import UserError, default_path, fill_defaults, positive_float, positive_int, run, stage_parser
 from corpus import expand_files, pad_right, read_jsonl, read_lines

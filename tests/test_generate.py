@@ -281,7 +281,8 @@ def test_default_checkpoint_is_the_latest_stage(capsys, monkeypatch, tmp_path, c
     (["--prompt", "x", "--output", "a.jsonl"], ["--output", "--prompts_file"]),
     (["--prompt", "x", "--checkpoint", "{sft}", "--device", "toaster"], ["--device", "cpu"]),
     (["--prompts_file", "{root}/ok.txt", "--output", "{root}/no/such/dir/out.jsonl"], ["--output", "create it"]),
-    (["--prompts_file", "{root}/ok.txt", "--output", "{root}/blank.txt"], ["--output", "already exists", "--overwrite"]),
+    (["--prompts_file", "{root}/ok.txt", "--output", "{root}/blank.txt"],
+     ["--output", "already exists", "--overwrite"]),
     (["--prompts_file", "{root}/ok.txt", "--output", "{root}/ok.txt", "--overwrite"], ["--prompts_file itself"]),
 ])
 def test_bad_input_is_one_line_and_exit_2(capsys, tmp_path, ckpts, argv, words):
