@@ -45,7 +45,8 @@ def parse_args(argv=None):
                      default_path("checkpoints", "pretrain"), DEFAULTS)
     p.add_argument("--train_files", nargs="+", default=[default_path("data", "pretrain", "train.jsonl")],
                    help=".txt (documents separated by blank lines) or .jsonl ({\"text\"}) files or globs")
-    p.add_argument("--val_files", nargs="+", default=[default_path("data", "pretrain", "val.jsonl")])
+    p.add_argument("--val_files", nargs="+", default=[default_path("data", "pretrain", "val.jsonl")],
+                   help="held-out documents (same formats as --train_files) for the validation loss")
     p.add_argument("--init", help="start from this stage checkpoint's weights instead of a new model")
     p.add_argument("--init_from_hf", help="start from a local Hugging Face GPT-2 directory (see load_weight.py)")
     p.add_argument("--context_length", type=int, help="block length (default: the model's context_length)")

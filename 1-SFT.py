@@ -61,7 +61,8 @@ def parse_args(argv=None):
                    help="the pretrained checkpoint to fine-tune (written by 0-PRETRAIN.py)")
     p.add_argument("--train_files", nargs="+", default=[default_path("data", "sft", "train.jsonl")],
                    help='.jsonl files of {"prompt", "response"} rows')
-    p.add_argument("--val_files", nargs="+", default=[default_path("data", "sft", "val.jsonl")])
+    p.add_argument("--val_files", nargs="+", default=[default_path("data", "sft", "val.jsonl")],
+                   help="held-out prompt/response pairs for the validation response loss and sample answers")
     p.add_argument("--max_length", type=positive_int,
                    help="positions read per pair (default: the model's context_length); longer pairs lose the "
                         "start of their prompt")

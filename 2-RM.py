@@ -56,7 +56,8 @@ def parse_args(argv=None):
     p = stage_parser("Stage 2: train a reward model on preference pairs (Bradley–Terry loss), or score texts with "
                      "one (--score).", default_path("checkpoints", "rm"), DEFAULTS)
     p.add_argument("--init", default=default_path("checkpoints", "sft"),
-                   help="GPT checkpoint whose weights start the backbone (the SFT stage's output)")
+                   help="checkpoint whose GPT weights start the backbone: the SFT stage's output (a reward "
+                        "checkpoint gives its backbone; the scalar head always starts new)")
     p.add_argument("--train_files", nargs="+", default=[default_path("data", "rm", "train.jsonl")],
                    help='.jsonl files or globs of {"prompt","chosen","rejected"} lines '
                         '(pointwise: {"text","label"} lines are accepted too)')

@@ -59,7 +59,8 @@ def parse_args(argv=None):
                      default_path("checkpoints", "ppo"), DEFAULTS)
     p.add_argument("--policy", default=default_path("checkpoints", "sft"), help="SFT checkpoint: policy and reference")
     p.add_argument("--reward", default=default_path("checkpoints", "rm"), help="reward model checkpoint (2-RM.py)")
-    p.add_argument("--prompts_file", default=default_path("data", "ppo", "prompts.jsonl"))
+    p.add_argument("--prompts_file", default=default_path("data", "ppo", "prompts.jsonl"),
+                   help='.jsonl lines with a "prompt" (and "split": "train"/"test"): what the policy answers')
     p.add_argument("--val_prompts_file", default=default_path("data", "ppo", "val_prompts.jsonl"),
                    help="held-out prompts: mean RM score before and after PPO")
     p.add_argument("--rollout_size", type=positive_int, help="prompts sampled per iteration (per process)")

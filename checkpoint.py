@@ -79,7 +79,6 @@ def save_checkpoint(output_dir: str, model, tokenizer, meta: dict, write_state=N
     try:
         os.makedirs(parent, exist_ok=True)
         tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(output_dir)}.tmp-", dir=parent)
-        os.chmod(tmp, 0o755)  # mkdtemp makes it private; a checkpoint is readable like any other output
         save_model(model, os.path.join(tmp, MODEL_FILE))  # handles the tied embedding/head weights
         config = {"model": model.cfg.to_dict(), "model_type": model_type, **meta}
         with open(os.path.join(tmp, CONFIG_FILE), "w", encoding="utf-8") as f:
@@ -99,7 +98,18 @@ def save_checkpoint(output_dir: str, model, tokenizer, meta: dict, write_state=N
 
 
 def _replace_dir(new: str, target: str) -> None:
-    """Put directory ``new`` at ``target``; an old ``target`` is moved aside first and removed only afterwards."""
+    """Put directory ``new`` at ``target``; an old ``target`` is moved aside first and removed only afterwards.
+
+    ``new`` and everything in it first get the modes the user's umask gives new files: ``mkdtemp`` makes the
+    directory private and safetensors writes its files 0600, but a checkpoint is an output like any other."""
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(new, 0o777 & ~mask)
+    for root, dirs, files in os.walk(new):
+        for name in dirs:
+            os.chmod(os.path.join(root, name), 0o777 & ~mask)
+        for name in files:
+            os.chmod(os.path.join(root, name), 0o666 & ~mask)
     old = None
     if os.path.exists(target):
         old = tempfile.mkdtemp(prefix=f".{os.path.basename(target)}.old-", dir=os.path.dirname(os.path.abspath(target)))

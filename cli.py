@@ -97,12 +97,13 @@ def stage_parser(description: str, output_dir: str, defaults: dict) -> ArgumentP
     p = ArgumentParser(description=description, epilog=epilog)
     p.add_argument("--preset", default="demo", choices=sorted(PRESETS),
                    help=f"run length and optimisation (see the end of this help); a new model also takes the "
-                        f"preset's size ({sizes}), a model from a checkpoint keeps its own")
+                        f"preset's size ({sizes}), a model from --init or a checkpoint keeps its own")
     p.add_argument("--output_dir", default=output_dir, help="where the stage checkpoint is written")
     p.add_argument("--overwrite", action="store_true", help="replace an existing checkpoint in --output_dir")
     p.add_argument("--resume", action="store_true", help="continue from --output_dir/state (saved by --save_every)")
     p.add_argument("--seed", type=int, default=1234, help="one seed for weights, data order, dropout, sampling")
-    p.add_argument("--max_steps", type=positive_int, help="optimizer steps in the whole run (default: the preset's)")
+    p.add_argument("--max_steps", type=positive_int,
+                   help="length of the whole run in steps (PPO: iterations) (default: the preset's)")
     p.add_argument("--stop_after", type=positive_int,
                    help="run only this many steps now, save a resumable state and exit (continue with --resume)")
     p.add_argument("--batch_size", type=positive_int, help="sequences per process per micro-batch")

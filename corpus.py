@@ -51,7 +51,8 @@ def read_lines(path: str) -> list[str]:
         with open(path, encoding="utf-8") as f:
             return f.read().splitlines()
     except FileNotFoundError as e:
-        raise UserError(f"{path} not found; run `python data/prepare.py` or fix the path") from e
+        raise UserError(f"{path} not found; fix the path (the default data files come from "
+                        f"`python data/prepare.py`)") from e
     except UnicodeDecodeError as e:
         raise UserError(f"{path} is not UTF-8 text (bad byte at offset {e.start}); convert it to UTF-8") from e
 

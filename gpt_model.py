@@ -385,6 +385,8 @@ class GPTModel(nn.Module):
 
     def forward(self, input_ids, attention_mask=None, past_key_values: KVCache | None = None, use_cache=False,
                 labels=None):
+        """(B, T) ids -> {"logits": (B, T, V), "last_hidden_state": (B, T, E)}; with ``labels`` (B, T) "loss"
+        replaces "logits"; with ``use_cache`` "past_key_values" is added. See the class docstring."""
         last_hidden_state, cache = self.hidden_states(input_ids, attention_mask, past_key_values, use_cache)
         out = {"last_hidden_state": last_hidden_state}
         if labels is None:
@@ -414,6 +416,8 @@ def chunked_next_token_loss(hidden, weight, labels, chunk_rows: int | None = Non
     Returns:
         the mean cross-entropy over the labels that are not -100, a float32 scalar (NaN if there are none, as
         ``F.cross_entropy`` gives).
+    Raises:
+        ValueError: ``labels`` not of shape (B, T) (e.g. ``input_ids[:, 1:]``, one short: pad it with -100).
 
     Rows whose label is -100 (SFT prompts, padding) never go through the head. With gradients on, each chunk's
     softmax becomes its gradient right away (d loss / d logits = softmax - one_hot) and is multiplied into the
@@ -423,6 +427,9 @@ def chunked_next_token_loss(hidden, weight, labels, chunk_rows: int | None = Non
     in the autocast dtype and the softmax in float32, as ``out_head`` + ``next_token_loss`` would. The
     gradient cannot be differentiated again (no double backward).
     """
+    if labels.shape != hidden.shape[:-1]:
+        raise ValueError(f"labels have shape {tuple(labels.shape)} but the hidden states {tuple(hidden.shape[:-1])}: "
+                         f"give one label per input position, already shifted (-100 where nothing is predicted)")
     flat_hidden, flat_labels = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)  # (N, E), (N,)
     rows = (flat_labels != -100).nonzero().squeeze(1)  # (n,) the positions that count
     chunk_rows = chunk_rows or max(1, (1 << 23) // weight.shape[0])

@@ -39,7 +39,8 @@ def parse_args(argv=None):
                    help='how to start each stage, e.g. "accelerate launch --mixed_precision bf16"')
     p.add_argument("--with-poetry", dest="with_poetry", action="store_true",
                    help="add the chinese-poetry corpus (about 29M characters) to pretraining")
-    p.add_argument("--report_dir", default=default_path("reports"))
+    p.add_argument("--report_dir", default=default_path("reports"),
+                   help="where report.md, its curves and the three models' answers are written")
     return p.parse_args(argv)
 
 
@@ -139,7 +140,8 @@ def write_report(args, times, answers) -> str:
     lines = [f"# Report card — preset `{args.preset}`", "",
              f"Data: `data/MANIFEST.json`. Launch: `{args.launch}`.", "",
              "| stage | wall time | tokens/s | final metrics |", "|---|---|---|---|",
-             f"| data/prepare.py | {times['data']:.0f} s | — | see data/MANIFEST.json |",
+             f"| data/prepare.py | {times['data']:.0f} s | — | {'already built; ' if times['data'] < 1 else ''}"
+             f"see data/MANIFEST.json |",
              f"| 0-PRETRAIN | {times['pretrain']:.0f} s | {speed('pretrain')} | val loss "
              f"{fmt(m['pretrain'].get('val_loss'))}, perplexity {fmt(m['pretrain'].get('val_perplexity'), '.1f')} |",
              f"| 1-SFT | {times['sft']:.0f} s | {speed('sft')} | val response loss {fmt(m['sft'].get('val_loss'))} |",

@@ -35,6 +35,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from cli import HelpFormatter  # noqa: E402
 from gpt_model import PRESETS, GPTModel, generate, get_preset  # noqa: E402
 from load_weight import gpt_to_hf_state_dict, hf_config_from_gpt  # noqa: E402
 
@@ -301,7 +302,7 @@ def fmt(x):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                     formatter_class=HelpFormatter)
     parser.add_argument("--preset", default="demo", choices=list(PRESETS), help="model size from gpt_model.PRESETS")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--dtype", default="both", choices=["fp32", "bf16", "both"],

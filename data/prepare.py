@@ -697,6 +697,9 @@ def write_atomic(path: Path, data: bytes) -> None:
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
+        mask = os.umask(0)
+        os.umask(mask)
+        os.chmod(tmp, 0o666 & ~mask)  # mkstemp makes the file private; data files are readable like any other
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):

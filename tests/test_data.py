@@ -278,3 +278,16 @@ def test_poetry_documents_nested_and_simplified():
         {"chapter": "第一篇", "paragraphs": ["學而時習之，", "不亦說乎？"]}]}, {"content": "單行。"}]}
     t2s = {"學": "学", "時": "时", "習": "习", "說": "说", "單": "单"}
     assert prepare.poetry_documents(node, t2s) == ["第一篇\n学而时习之，\n不亦说乎？", "单行。"]
+
+
+def test_written_files_follow_the_umask(tmp_path):
+    """write_atomic goes through a private temporary file, but the result has the mode the umask gives."""
+    import os
+
+    old = os.umask(0o027)
+    try:
+        prepare.write_atomic(tmp_path / "sub" / "out.jsonl", b"{}\n")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "sub" / "out.jsonl").stat().st_mode & 0o777 == 0o640
+    assert [p.name for p in (tmp_path / "sub").iterdir()] == ["out.jsonl"]

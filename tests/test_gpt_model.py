@@ -437,6 +437,16 @@ def test_chunked_loss_scales_with_the_upstream_gradient_and_skips_ignored_rows()
     assert value.item() == pytest.approx(hand_loss(hidden, weight, labels), rel=1e-5)
 
 
+def test_labels_of_the_wrong_shape_are_refused():
+    """Labels one position short (input_ids[:, 1:], a common slip) or of another batch size raise, naming both
+    shapes, instead of giving a loss over misaligned rows."""
+    model = random_model(small_cfg(), seed=6)
+    ids = torch.randint(0, 61, (2, 10))
+    for labels in (ids[:, 1:], ids[:1], ids.reshape(1, 20)):
+        with pytest.raises(ValueError, match=r"labels have shape .* but the hidden states \(2, 10\)"):
+            model(ids, labels=labels)
+
+
 def test_chunked_loss_with_every_label_ignored_is_nan_like_cross_entropy():
     hidden, weight, labels = hidden_weight_labels()
     ignored = torch.full_like(labels, -100)

@@ -135,6 +135,21 @@ def test_weights_file_replaced_by_a_pickle_is_refused(tmp_path, tokenizer):
     assert not marker.exists()
 
 
+def test_checkpoint_files_follow_the_umask(tmp_path, tokenizer):
+    """The checkpoint is written in a private temporary directory by safetensors (0600 files), yet the result has
+    the modes the user's umask gives new files and directories."""
+    out = tmp_path / "ckpt"
+    old = os.umask(0o027)
+    try:
+        save_checkpoint(str(out), tiny_model(), tokenizer, {"stage": "pretrain"})
+    finally:
+        os.umask(old)
+    assert out.stat().st_mode & 0o777 == 0o750
+    modes = {p.relative_to(out).as_posix(): p.stat().st_mode & 0o777 for p in out.rglob("*")}
+    assert modes["model.safetensors"] == modes["config.json"] == 0o640 and modes["tokenizer"] == 0o750
+    assert set(modes.values()) == {0o640, 0o750}
+
+
 def test_checkpoint_whose_tokenizer_does_not_fit_its_model(tmp_path, tokenizer):
     """A model with 61 embedding rows saved beside the 21128-id tokenizer is refused on load, naming both sizes."""
     out = tmp_path / "ckpt"
