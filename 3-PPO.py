@@ -271,6 +271,8 @@ def main(argv=None):
         return score, examples
 
     sft_score = metrics.rows[0]["val_score_sft"] if metrics.rows and args.resume else held_out_score("SFT policy")[0]
+    if not metrics.rows:  # step 0 of the val_score curve: the SFT policy before any update
+        metrics.add(step=0, val_score=sft_score, val_score_sft=sft_score)
 
     def save(final: bool, extra_meta=None, samples=None):
         rng = gather_rng_states(accelerator)
@@ -344,8 +346,6 @@ def main(argv=None):
                    "clip_fraction": clip_fraction, "entropy": entropy, "policy_loss": policy_loss,
                    "value_loss": value_loss, "approx_kl": approx_kl, "response_len": mask.sum(1).mean().item(),
                    "time_s": round(time.time() - started, 1)}
-            if step == 1:
-                row["val_score_sft"] = sft_score
             bar.update(1)
             bar.set_postfix(score=f"{row['score']:.2f}", kl=f"{kl:.2f}", clip=f"{clip_fraction:.2f}")
             if step % args.eval_every == 0 and step < args.max_steps:

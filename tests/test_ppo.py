@@ -161,7 +161,9 @@ def test_ppo_script_runs_and_resumes_exactly(tmp_path, ppo_parents):
     assert config["stage"] == "ppo" and config["model_type"] == "gpt"
     assert set(config["metrics"]) >= {"val_score_sft", "val_score_ppo", "val_score_gain", "kl"}
     rows = [json.loads(r) for r in (straight / "metrics.jsonl").read_text().splitlines()]
-    assert rows[0]["kl"] == 0.0  # the first rollout comes from the untouched policy
+    baseline = config["metrics"]["val_score_sft"]
+    assert rows[0]["step"] == 0 and rows[0]["val_score"] == pytest.approx(baseline, abs=1e-5)  # the curve's start
+    assert rows[1]["kl"] == 0.0  # the first rollout comes from the untouched policy
     assert {"score", "kl", "clip_fraction", "entropy", "value_loss"} <= set(rows[-1])
     assert (straight / "curves.png").exists() and (straight / "samples.md").exists()
 
