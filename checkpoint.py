@@ -65,7 +65,8 @@ def save_checkpoint(output_dir: str, model, tokenizer, meta: dict, write_state=N
     """Write a stage checkpoint atomically: build it in a temporary sibling directory, then rename it into place.
 
     Args:
-        model: a ``GPTModel`` or ``RewardModel`` (unwrapped from Accelerate).
+        model: a ``GPTModel`` or ``RewardModel`` (unwrapped from Accelerate; a ``torch.compile`` wrapper, which
+            ``accelerate launch --dynamo_backend inductor`` leaves on, is taken off here).
         tokenizer: saved into ``tokenizer/``.
         meta: stage metadata merged into ``config.json`` (stage, parent, step, metrics, ...).
         write_state: optional ``fn(state_dir)`` writing the resumable training state into ``state/``.
@@ -73,6 +74,7 @@ def save_checkpoint(output_dir: str, model, tokenizer, meta: dict, write_state=N
     Raises:
         UserError: the disk is full or the directory is not writable; the previous checkpoint is left intact.
     """
+    model = getattr(model, "_orig_mod", model)  # torch.compile's OptimizedModule holds the real module
     model_type = next(name for name, cls in MODEL_TYPES.items() if isinstance(model, cls))
     parent = os.path.dirname(os.path.abspath(output_dir))
     tmp = None

@@ -600,6 +600,9 @@ def generate(model, idx, max_new_tokens, context_size, temperature=0.0, top_k=No
         raise ValueError(f"temperature must be >= 0 (0 means greedy), got {temperature}")
     if repetition_penalty <= 0:
         raise ValueError(f"repetition_penalty must be > 0, got {repetition_penalty}")
+    # a torch.compile wrapper (accelerate launch --dynamo_backend) would recompile for every new length: use the
+    # module inside it
+    model = getattr(model, "_orig_mod", model)
     # inference mode: no autograd bookkeeping at all (faster than no_grad); the result is cloned out of it
     # so that callers may train on the generated ids (PPO does)
     with torch.inference_mode():

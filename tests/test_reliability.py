@@ -150,6 +150,27 @@ def test_checkpoint_files_follow_the_umask(tmp_path, tokenizer):
     assert set(modes.values()) == {0o640, 0o750}
 
 
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # importing torch._dynamo warns about torch.jit
+def test_compiled_model_saves_and_generates_as_the_module_inside(tmp_path, tokenizer):
+    """`accelerate launch --dynamo_backend inductor` hands the stages a torch.compile wrapper: saving it writes the
+    plain model, and generate runs the module inside instead of compiling a graph per sequence length."""
+    from torch._dynamo.utils import counters
+
+    from gpt_model import generate
+
+    model = tiny_model().eval()
+    compiled = torch.compile(model)  # lazy: nothing is compiled until it is called
+    out = tmp_path / "ckpt"
+    save_checkpoint(str(out), compiled, tokenizer, {"stage": "pretrain"})
+    loaded, _, config = load_checkpoint(str(out))
+    assert config["model_type"] == "gpt"
+    assert all(torch.equal(a, b) for a, b in zip(loaded.state_dict().values(), model.state_dict().values()))
+    frames = counters["frames"]["total"]
+    prompt = torch.tensor([[5, 6, 7]])
+    assert torch.equal(generate(compiled, prompt, 5, 64), generate(model, prompt, 5, 64))
+    assert counters["frames"]["total"] == frames  # no frame went through the compiler
+
+
 def test_checkpoint_whose_tokenizer_does_not_fit_its_model(tmp_path, tokenizer):
     """A model with 61 embedding rows saved beside the 21128-id tokenizer is refused on load, naming both sizes."""
     out = tmp_path / "ckpt"
