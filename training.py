@@ -43,6 +43,13 @@ def make_accelerator(args):
     cpu = not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1
     accelerator = Accelerator(cpu=cpu, gradient_accumulation_steps=args.gradient_accumulation_steps)
     set_seed(args.seed)
+    cores = os.cpu_count() or 1
+    launched = "ACCELERATE_MIXED_PRECISION" in os.environ  # set by `accelerate launch`
+    if (launched and accelerator.device.type == "cpu" and accelerator.num_processes == 1 and cores > 1
+            and torch.get_num_threads() == 1 and os.environ.get("OMP_NUM_THREADS") == "1"):
+        # `accelerate launch` without --cpu sets OMP_NUM_THREADS=1 on a machine with no GPU: half speed or worse
+        accelerator.print(f"note: this run computes on 1 of {cores} CPU cores (OMP_NUM_THREADS=1, which `accelerate "
+                          f"launch` sets unless given --cpu); launch with --cpu or --num_cpu_threads_per_process {cores}")
     return accelerator
 
 

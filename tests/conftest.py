@@ -38,10 +38,11 @@ def load_script(filename: str):
 
 
 def run_script(*args, timeout=600, env=None):
-    """Run ``python <script> args...`` from the repository root; returns the CompletedProcess (never raises)."""
+    """Run ``python <script> args...`` from the repository root; returns the CompletedProcess (never raises).
+    ``env`` adds variables to the environment; a value of None removes one."""
     import os
 
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    full_env = {k: v for k, v in {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}.items() if v is not None}
     return subprocess.run([sys.executable, *map(str, args)], cwd=REPO_ROOT, capture_output=True, text=True,
                           timeout=timeout, env=full_env)
 

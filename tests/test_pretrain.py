@@ -3,6 +3,7 @@ and the script end to end (loss falls, exact resume, no silent overwrite, two pr
 
 import json
 import math
+import os
 import shutil
 
 import pytest
@@ -139,6 +140,26 @@ def test_two_processes_follow_the_one_process_loss_curve(tmp_path, tiny_corpus):
     tokens = lambda d: [r["tokens_seen"] for r in map(json.loads, open(d / "metrics.jsonl"))]
     assert tokens(one) == tokens(two)  # the global batch really spans both processes
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary directories left
+
+
+def test_accelerate_launch_without_cpu_flag_gets_a_thread_note(tmp_path, tiny_corpus):
+    """Plain `accelerate launch` on a machine with no GPU runs the stage on one CPU thread (it sets
+    OMP_NUM_THREADS=1); the stage says so and how to use every core. With --cpu it gets them all and says nothing."""
+    if (os.cpu_count() or 1) < 2:
+        pytest.skip(f"needs 2 or more CPU cores to have something to say (this machine has {os.cpu_count()})")
+    if torch.cuda.is_available():
+        pytest.skip("with a GPU the stage trains there and the CPU threads do not matter")
+    common = ("0-PRETRAIN.py", "--preset", "tiny", "--train_files", tiny_corpus / "train.txt", "--val_files",
+              tiny_corpus / "val.txt", "--max_steps", "1", "--overwrite", "--output_dir", tmp_path / "out")
+    launch = ("-m", "accelerate.commands.launch", "--num_processes", "1", "--num_machines", "1", "--mixed_precision",
+              "no", "--dynamo_backend", "no")
+    no_omp = {"OMP_NUM_THREADS": None}  # as on a user's machine: accelerate decides
+    plain = run_script(*launch, *common, env=no_omp)
+    assert plain.returncode == 0, plain.stderr[-2000:]
+    assert f"computes on 1 of {os.cpu_count()} CPU cores" in plain.stdout and "--cpu" in plain.stdout
+    with_cpu = run_script(*launch, "--cpu", *common, env=no_omp)
+    assert with_cpu.returncode == 0, with_cpu.stderr[-2000:]
+    assert "CPU cores" not in with_cpu.stdout
 
 
 def test_missing_train_file_is_a_one_line_error(tmp_path):
