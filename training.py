@@ -49,7 +49,8 @@ def make_accelerator(args):
             and torch.get_num_threads() == 1 and os.environ.get("OMP_NUM_THREADS") == "1"):
         # `accelerate launch` without --cpu sets OMP_NUM_THREADS=1 on a machine with no GPU: half speed or worse
         accelerator.print(f"note: this run computes on 1 of {cores} CPU cores (OMP_NUM_THREADS=1, which `accelerate "
-                          f"launch` sets unless given --cpu); launch with --cpu or --num_cpu_threads_per_process {cores}")
+                          f"launch` sets unless given --cpu); launch with --cpu or "
+                          f"--num_cpu_threads_per_process {cores}")
     return accelerator
 
 
