@@ -52,10 +52,13 @@ def test_ctrl_c_saves_a_resumable_state_and_resume_finishes(tmp_path, tiny_corpu
             if " 3/400" in "".join(err_lines[-4:]):  # the progress bar has shown step 3
                 seen.set()
 
-    threading.Thread(target=watch, daemon=True).start()
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
     assert seen.wait(300), "training never started"
     proc.send_signal(signal.SIGINT)
-    stdout, _ = proc.communicate(timeout=300)
+    stdout = proc.stdout.read()  # until the process closes it; the watcher alone reads stderr (to its end)
+    proc.wait(timeout=300)
+    watcher.join(timeout=60)
     assert proc.returncode == 128 + signal.SIGINT
     assert "--resume" in stdout
     assert (out / "state" / "trainer_state.json").exists() and (out / "model.safetensors").exists()
