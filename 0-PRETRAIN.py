@@ -12,20 +12,16 @@ from __future__ import annotations
 
 import math
 import os
-import time
 
 import torch
-from tqdm.auto import tqdm
 
-from checkpoint import (check_output_dir, check_vocab, command_line, load_weights_into, parent_meta, read_config,
-                        save_checkpoint)
-from chinese_tokenizer import load_tokenizer
+from checkpoint import check_output_dir, check_vocab, load_backbone
+from chinese_tokenizer import load_tokenizer, text_to_token_ids, token_ids_to_text
 from cli import UserError, default_path, fill_defaults, run, stage_parser
 from corpus import PackedBlocks, load_text_documents
-from gpt_model import GPTConfig, GPTModel, generate, get_preset, text_to_token_ids, token_ids_to_text
-from training import (BatchSchedule, MetricsLog, StopSignal, Throughput, evaluate_lm, gather_rng_states,
-                      load_training_state, lr_at, make_accelerator, make_optimizer, mean_over_processes,
-                      save_between_steps, save_training_state, set_lr, spread_subset)
+from gpt_model import GPTModel, generate, get_preset
+from training import (BatchSchedule, StageRun, evaluate_lm, lr_at, make_accelerator, make_optimizer, set_lr,
+                      spread_subset)
 
 # Run length and optimisation per preset; every value can be overridden on the command line.
 DEFAULTS = {
@@ -57,17 +53,18 @@ def parse_args(argv=None):
     return args
 
 
-def build_model(args):
+def build_model(args, tokenizer):
     """A new model of the preset, or the weights of --init / --init_from_hf; returns (model, parent metadata)."""
     if args.init_from_hf:
         from load_weight import load_hf_gpt2
 
-        return load_hf_gpt2(args.init_from_hf), {"parent": os.path.abspath(args.init_from_hf)}
-    if args.init:
-        model = GPTModel(GPTConfig.from_dict(read_config(args.init)["model"]))
-        load_weights_into(model, args.init)
-        return model, parent_meta(args.init)
-    return GPTModel(get_preset(args.preset)), {"parent": None}
+        model, parent = load_hf_gpt2(args.init_from_hf), {"parent": os.path.abspath(args.init_from_hf)}
+    elif args.init:
+        return load_backbone(args.init, "--init", tokenizer, "0-PRETRAIN.py")
+    else:
+        model, parent = GPTModel(get_preset(args.preset)), {"parent": None}
+    check_vocab(tokenizer, model.cfg.vocab_size, f"--tokenizer {args.tokenizer}", "use the matching --tokenizer")
+    return model, parent
 
 
 def main(argv=None):
@@ -77,14 +74,11 @@ def main(argv=None):
     tokenizer = load_tokenizer(args.tokenizer)
 
     # --- model -------------------------------------------------------------------------------------------------
-    model, parent = build_model(args)
-    if args.resume:
-        load_weights_into(model, args.output_dir)
-    cfg = model.cfg
-    check_vocab(tokenizer, cfg.vocab_size, f"--tokenizer {args.tokenizer}", "use the matching --tokenizer")
-    block_len = args.context_length or cfg.context_length
-    if not 1 < block_len <= cfg.context_length:
-        raise UserError(f"--context_length {block_len} must be in 2..{cfg.context_length} (the model's positions)")
+    model, parent = build_model(args, tokenizer)
+    block_len = args.context_length or model.cfg.context_length
+    if not 1 < block_len <= model.cfg.context_length:
+        raise UserError(f"--context_length {block_len} must be in 2..{model.cfg.context_length} (the model's "
+                        f"positions)")
 
     # --- data: documents -> tokens -> blocks of block_len next-token predictions ---------------------------------
     with accelerator.main_process_first():  # the first process fills the datasets cache, the others reuse it
@@ -97,91 +91,45 @@ def main(argv=None):
                       f"val: {len(val)} blocks; {sum(p.numel() for p in model.parameters()):,} parameters; "
                       f"global batch {schedule.global_batch_size} x {block_len} tokens")
 
-    # --- optimizer and Accelerate --------------------------------------------------------------------------------
+    # --- optimizer, Accelerate, and the stage's plumbing (which resumes a run given --resume) -----------------------
     optimizer = make_optimizer(model, args.learning_rate, args.weight_decay)
     model, optimizer = accelerator.prepare(model, optimizer)
-    step, tokens_seen, metrics = 0, 0, MetricsLog()
-    if args.resume:
-        trainer = load_training_state(os.path.join(args.output_dir, "state"), optimizer, accelerator)
-        step, tokens_seen = trainer["step"], trainer["tokens_seen"]
-        metrics = MetricsLog.resume(os.path.join(args.output_dir, "metrics.jsonl"), step)
-        accelerator.print(f"resumed at step {step}")
-
-    def save(final: bool):
-        """Write the checkpoint (with a resumable state unless the run is complete)."""
-        rng = gather_rng_states(accelerator)
-        if accelerator.is_main_process:
-            files = {"metrics.jsonl": metrics.write}
-            if final:
-                files["loss_curve.png"] = lambda path: metrics.plot(path, "pretrain", ["train_loss", "val_loss"])
-            last = metrics.rows[-1] if metrics.rows else {}
-            meta = {"stage": "pretrain", **parent, "step": step, "tokens_seen": tokens_seen,
-                    "metrics": {k: v for k, v in last.items() if k.startswith("val_")}, "command": command_line()}
-            state = None if final else (lambda d: save_training_state(
-                d, optimizer, {"step": step, "tokens_seen": tokens_seen}, rng))
-            save_checkpoint(args.output_dir, accelerator.unwrap_model(model), tokenizer, meta, state, files)
-        accelerator.wait_for_everyone()
+    stage = StageRun("pretrain", args, accelerator, model, optimizer, tokenizer, parent,
+                     plot=("loss_curve.png", ["train_loss", "val_loss"]))
 
     def evaluate_and_sample():
+        """Val loss and perplexity, and a greedy and a sampled continuation of SAMPLE_PROMPT."""
         val_loss = evaluate_lm(model, eval_blocks, val.collate, args.batch_size, accelerator)
         prompt = text_to_token_ids(SAMPLE_PROMPT, tokenizer).to(accelerator.device)
         with torch.random.fork_rng(devices=[]):  # sampling must not shift the training RNG (exact resume)
             torch.manual_seed(args.seed)
-            greedy = generate(accelerator.unwrap_model(model), prompt, 40, block_len)
-            sampled = generate(accelerator.unwrap_model(model), prompt, 40, block_len, temperature=1.0, top_k=40)
-        return val_loss, token_ids_to_text(greedy, tokenizer), token_ids_to_text(sampled, tokenizer)
+            greedy = generate(stage.saved, prompt, 40, block_len)
+            sampled = generate(stage.saved, prompt, 40, block_len, temperature=1.0, top_k=40)
+        result = {"val_loss": val_loss, "val_perplexity": math.exp(min(val_loss, 50)),
+                  "greedy": token_ids_to_text(greedy, tokenizer), "sampled": token_ids_to_text(sampled, tokenizer)}
+        stage.print(f"step {stage.step}: val loss {val_loss:.3f}, perplexity {result['val_perplexity']:.1f}\n"
+                  f"  greedy : {result['greedy']}\n  sampled: {result['sampled']}")
+        return result
 
     # --- the loop ------------------------------------------------------------------------------------------------
-    last_step = min(args.max_steps, step + args.stop_after) if args.stop_after else args.max_steps
-    bar = tqdm(total=args.max_steps, initial=step, desc="pretrain", disable=not accelerator.is_main_process,
-               dynamic_ncols=True)
-    speed, started = Throughput(), time.time()
     model.train()
-    with StopSignal() as stop:
-        while step < last_step:
-            lr = lr_at(step, args.learning_rate, args.warmup_steps, args.max_steps)
-            set_lr(optimizer, lr)
-            step_loss = 0.0
-            for micro in range(args.gradient_accumulation_steps):
-                batch = train.collate(schedule.indices(step, micro, accelerator.process_index))
-                input_ids, labels = batch["input_ids"].to(accelerator.device), batch["labels"].to(accelerator.device)
-                with accelerator.accumulate(model), accelerator.autocast():
-                    loss = model(input_ids, labels=labels)["loss"]  # mean next-token cross-entropy
-                    accelerator.backward(loss)  # divides by the accumulation steps once
-                    if accelerator.sync_gradients:
-                        accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-                    optimizer.step()
-                    optimizer.zero_grad()
-                step_loss += loss.item() / args.gradient_accumulation_steps
-                speed.add(input_ids.numel() * accelerator.num_processes)
-            step_loss, = mean_over_processes(accelerator, [step_loss])  # each process saw part of the batch
-            if not math.isfinite(step_loss):
-                raise UserError(f"the training loss became {step_loss} at step {step + 1}; the last good checkpoint "
-                                f"(if any) is in {args.output_dir}; lower --learning_rate and start again")
-            step += 1
-            tokens_seen += schedule.global_batch_size * block_len
-            bar.update(1)
-            bar.set_postfix(loss=f"{step_loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{speed.rate():.0f}")
-            row = {"step": step, "train_loss": step_loss, "lr": lr, "tokens_seen": tokens_seen,
-                   "time_s": round(time.time() - started, 1)}
-            if step % args.eval_every == 0 or step == args.max_steps:
-                val_loss, greedy, sampled = evaluate_and_sample()
-                row.update(val_loss=val_loss, val_perplexity=math.exp(min(val_loss, 50)), greedy=greedy,
-                           sampled=sampled)
-                bar.write(f"step {step}: val loss {val_loss:.3f}, perplexity {math.exp(min(val_loss, 50)):.1f}\n"
-                          f"  greedy : {greedy}\n  sampled: {sampled}")
-            metrics.add(**row)
-            interrupted = save_between_steps(stop, accelerator, step, args, lambda: save(final=False))
-            if interrupted is not None:
-                return interrupted
-    bar.close()
-    save(final=step >= args.max_steps)
-    if step < args.max_steps:
-        accelerator.print(f"stopped after step {step} of {args.max_steps}; continue with --resume")
-    else:
-        accelerator.print(f"saved {args.output_dir} (step {step}, {tokens_seen:,} tokens, "
-                          f"{time.time() - started:.0f} s)")
-    return 0
+    for step in stage.steps():
+        lr = lr_at(step, args.learning_rate, args.warmup_steps, args.max_steps)
+        set_lr(optimizer, lr)
+        step_loss = 0.0
+        for micro in range(args.gradient_accumulation_steps):
+            batch = train.collate(schedule.indices(step, micro, accelerator.process_index))
+            input_ids, labels = batch["input_ids"].to(accelerator.device), batch["labels"].to(accelerator.device)
+            with stage.accumulate():
+                loss = model(input_ids, labels=labels)["loss"]  # mean next-token cross-entropy
+                stage.backward(loss)
+            step_loss += loss.item() / args.gradient_accumulation_steps
+        step_loss = stage.end_step(step_loss, tokens=input_ids.numel() * args.gradient_accumulation_steps)
+        row = {"train_loss": step_loss, "lr": lr}
+        if stage.eval_due:
+            row.update(evaluate_and_sample())
+        stage.log(row, show=("train_loss", "lr"))
+    return stage.finish()
 
 
 if __name__ == "__main__":

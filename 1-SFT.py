@@ -21,20 +21,16 @@ from __future__ import annotations
 
 import math
 import os
-import time
 
 import torch
-from tqdm.auto import tqdm
 
-from checkpoint import (CONFIG_FILE, check_output_dir, command_line, load_checkpoint, load_weights_into,
-                        parent_meta, save_checkpoint)
-from chinese_tokenizer import EOS_ID, chat_prompt_ids, decode, load_tokenizer
+from checkpoint import check_output_dir, load_backbone
+from chinese_tokenizer import EOS_ID, chat_prompt_ids, decode, load_tokenizer, until_eos
 from cli import UserError, default_path, fill_defaults, positive_int, run, stage_parser
 from corpus import ChatPairs, expand_files, length_grouped_batches, read_jsonl
 from gpt_model import generate
-from training import (BatchSchedule, MetricsLog, StopSignal, Throughput, evaluate_lm, gather_rng_states,
-                      load_training_state, lr_at, make_accelerator, make_optimizer, save_between_steps,
-                      save_training_state, set_lr, spread_subset)
+from training import (BatchSchedule, StageRun, evaluate_lm, lr_at, make_accelerator, make_optimizer, markdown_table,
+                      set_lr, spread_subset)
 
 # Run length and optimisation per preset; every value can be overridden on the command line. The demo run sees
 # 300 x 16 = 4800 pairs (about 200k tokens, a third of the training set) and fits in three minutes on 2 CPU cores;
@@ -77,16 +73,6 @@ def read_pairs(patterns, what: str) -> list[dict]:
     return [row for path in expand_files(patterns, what) for row in read_jsonl(path, ("prompt", "response"))]
 
 
-def load_parent(path: str, vocab_size: int):
-    """The pretrained model to fine-tune, in train mode, and what the SFT checkpoint records about it."""
-    if not os.path.isfile(os.path.join(path, CONFIG_FILE)):
-        raise UserError(f"--init {path}: no pretrained checkpoint there (missing {CONFIG_FILE}); run "
-                        f"`python 0-PRETRAIN.py` first or pass --init DIR")
-    model, _, _ = load_checkpoint(path, "gpt", expect_vocab_size=vocab_size)
-    model.train()
-    return model, parent_meta(path)
-
-
 def pick_sample_rows(rows, count: int) -> list[int]:
     """Indices of the fixed val rows whose prompts are answered at each evaluation (see SAMPLE_KEYWORDS)."""
     picked = []
@@ -107,9 +93,7 @@ def answer(model, prompt: str, tokenizer, context_length: int) -> str:
     ids = chat_prompt_ids(prompt, tokenizer, context_length - 1)  # [CLS] prompt [ANS], one slot left to answer
     idx = torch.tensor([ids], device=next(model.parameters()).device)  # (1, P)
     out = generate(model, idx, MAX_ANSWER_TOKENS, context_length, eos_id=EOS_ID)[0, len(ids):].tolist()
-    if EOS_ID in out:
-        out = out[:out.index(EOS_ID)]
-    return decode(out, tokenizer)
+    return decode(until_eos(out), tokenizer)
 
 
 def shown(answer_text: str) -> str:
@@ -118,19 +102,17 @@ def shown(answer_text: str) -> str:
 
 
 def samples_markdown(table: list[dict], step: int) -> str:
-    """The answers as a Markdown table (``|`` and newlines escaped so every answer stays in its cell)."""
-    def cell(text: str) -> str:
-        return text.replace("|", "\\|").replace("\n", "<br>")
-
-    lines = [f"# SFT greedy answers to fixed val prompts (step {step})", "",
-             "| prompt | reference | model |", "|---|---|---|"]
-    lines += [f"| {cell(r['prompt'])} | {cell(r['reference'])} | {cell(shown(r['answer']))} |" for r in table]
-    return "\n".join(lines) + "\n"
+    """The answers to the fixed val prompts as Markdown: a title, then one table row per prompt."""
+    rows = [(r["prompt"], r["reference"], shown(r["answer"])) for r in table]
+    return (f"# SFT greedy answers to fixed val prompts (step {step})\n\n"
+            + markdown_table(("prompt", "reference", "model"), rows))
 
 
-def write_text(path: str, text: str) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(text)
+def write_samples(path: str, table: list[dict], step: int) -> None:
+    """``samples.md`` of the checkpoint, if the answers have been computed in this run."""
+    if table:
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(samples_markdown(table, step))
 
 
 def main(argv=None):
@@ -139,10 +121,8 @@ def main(argv=None):
     check_output_dir(args.output_dir, args.overwrite, args.resume)
     tokenizer = load_tokenizer(args.tokenizer)
 
-    # --- model: the pretrained checkpoint (or, on --resume, this run's saved weights) ----------------------------
-    model, parent = load_parent(args.init, len(tokenizer))
-    if args.resume:
-        load_weights_into(model, args.output_dir)
+    # --- model: the pretrained checkpoint ----------------------------------------------------------------------
+    model, parent = load_backbone(args.init, "--init", tokenizer, "0-PRETRAIN.py")
     cfg = model.cfg
     max_length = args.max_length or cfg.context_length
     if not 3 <= max_length <= cfg.context_length:
@@ -156,112 +136,58 @@ def main(argv=None):
             accelerator.print(pairs.truncation_warning(what))
     # Batches of similar length waste little padding; the schedule shuffles whole batches, one per micro-batch.
     batches = length_grouped_batches(train.lengths, args.batch_size)
-    schedule = BatchSchedule(len(batches), 1, args.gradient_accumulation_steps, accelerator.num_processes, args.seed)
     eval_pairs = sorted(spread_subset(len(val), args.eval_examples), key=lambda i: val.lengths[i])
-    sample_rows = [val.rows[i] for i in pick_sample_rows(val.rows, args.num_samples)]
     accelerator.print(f"train: {len(train)} pairs, {sum(train.lengths):,} tokens, {len(batches)} batches of "
                       f"<= {args.batch_size}; val: {len(val)} pairs ({len(eval_pairs)} per eval); "
                       f"{sum(p.numel() for p in model.parameters()):,} parameters")
+    schedule = BatchSchedule(len(batches), 1, args.gradient_accumulation_steps, accelerator.num_processes, args.seed)
+    sample_rows = [val.rows[i] for i in pick_sample_rows(val.rows, args.num_samples)]
 
-    # --- optimizer and Accelerate --------------------------------------------------------------------------------
+    # --- optimizer, Accelerate, and the stage's plumbing (which resumes a run given --resume) -----------------------
     optimizer = make_optimizer(model, args.learning_rate, args.weight_decay)
     model, optimizer = accelerator.prepare(model, optimizer)
-    step, tokens_seen, metrics, table = 0, 0, MetricsLog(), []
-    if args.resume:
-        trainer = load_training_state(os.path.join(args.output_dir, "state"), optimizer, accelerator)
-        step, tokens_seen = trainer["step"], trainer["tokens_seen"]
-        metrics = MetricsLog.resume(os.path.join(args.output_dir, "metrics.jsonl"), step)
-        accelerator.print(f"resumed at step {step}")
+    stage = StageRun("sft", args, accelerator, model, optimizer, tokenizer, parent,
+                     plot=("loss_curve.png", ["train_loss", "val_loss"]))
+    table = []  # the latest greedy answers to the fixed prompts
+    stage.files["samples.md"] = lambda path: write_samples(path, table, stage.step)
 
-    def save(final: bool):
-        """Write the checkpoint (with a resumable state unless the run is complete)."""
-        rng = gather_rng_states(accelerator)
-        if accelerator.is_main_process:
-            files = {"metrics.jsonl": metrics.write}
-            if table:
-                files["samples.md"] = lambda path: write_text(path, samples_markdown(table, step))
-            if final:
-                files["loss_curve.png"] = lambda path: metrics.plot(path, "sft", ["train_loss", "val_loss"])
-            evals = [r for r in metrics.rows if "val_loss" in r]
-            scores = {k: v for k, v in (evals[-1] if evals else {}).items() if k.startswith("val_")}
-            if evals and evals[0]["step"] == 0:
-                scores["val_loss_before_sft"] = evals[0]["val_loss"]
-            meta = {"stage": "sft", **parent, "step": step, "tokens_seen": tokens_seen, "metrics": scores,
-                    "command": command_line()}
-            state = None if final else (lambda d: save_training_state(
-                d, optimizer, {"step": step, "tokens_seen": tokens_seen}, rng))
-            save_checkpoint(args.output_dir, accelerator.unwrap_model(model), tokenizer, meta, state, files)
-        accelerator.wait_for_everyone()
-
-    def evaluate_and_answer(row: dict) -> None:
-        """Response-only val loss into ``row``; greedy answers to the fixed prompts into ``table``, printed."""
+    def evaluate_and_answer() -> dict:
+        """Response-only val loss and perplexity; greedy answers to the fixed prompts into ``table``, printed."""
         val_loss = evaluate_lm(model, eval_pairs, val.collate, args.batch_size, accelerator)
-        row.update(val_loss=val_loss, val_perplexity=math.exp(min(val_loss, 50)))
         table[:] = [{"prompt": r["prompt"], "reference": r["response"],
-                     "answer": answer(accelerator.unwrap_model(model), r["prompt"], tokenizer, cfg.context_length)}
+                     "answer": answer(stage.saved, r["prompt"], tokenizer, cfg.context_length)}
                     for r in sample_rows]  # greedy: uses no randomness, so exact resume is unaffected
-        row["answers"] = [r["answer"] for r in table]
         lines = "\n".join(f"  {r['prompt']} -> {shown(r['answer'])}" for r in table)
-        accelerator.print(f"step {row['step']}: val response loss {val_loss:.3f}, perplexity "
-                          f"{row['val_perplexity']:.1f}\n{lines}")
+        stage.print(f"step {stage.step}: val response loss {val_loss:.3f}, perplexity "
+                    f"{math.exp(min(val_loss, 50)):.1f}\n{lines}")
+        return {"val_loss": val_loss, "val_perplexity": math.exp(min(val_loss, 50)),
+                "answers": [r["answer"] for r in table]}
 
     # --- the loop ------------------------------------------------------------------------------------------------
-    started = time.time()
-    if step == 0:  # the pretrained model's score: the baseline the fine-tuning must beat
-        row = {"step": 0, "tokens_seen": 0, "time_s": 0.0}
-        evaluate_and_answer(row)
-        metrics.add(**row)
-    last_step = min(args.max_steps, step + args.stop_after) if args.stop_after else args.max_steps
-    bar = tqdm(total=args.max_steps, initial=step, desc="sft", disable=not accelerator.is_main_process,
-               dynamic_ncols=True)
-    speed = Throughput()
+    if stage.step == 0:  # the pretrained model's score: the baseline the fine-tuning must beat
+        stage.log(evaluate_and_answer())
+    stage.results["val_loss_before_sft"] = stage.metrics.rows[0]["val_loss"]
     model.train()
-    with StopSignal() as stop:
-        while step < last_step:
-            lr = lr_at(step, args.learning_rate, args.warmup_steps, args.max_steps)
-            set_lr(optimizer, lr)
-            step_loss = 0.0
-            for micro in range(args.gradient_accumulation_steps):
-                batch = train.collate(batches[schedule.indices(step, micro, accelerator.process_index)[0]])
-                batch = {k: v.to(accelerator.device) for k, v in batch.items()}
-                with accelerator.accumulate(model), accelerator.autocast():
-                    loss = model(batch["input_ids"], attention_mask=batch["attention_mask"],
-                                 labels=batch["labels"])["loss"]  # mean over this batch's response tokens
-                    accelerator.backward(loss)  # divides by the accumulation steps once
-                    if accelerator.sync_gradients:
-                        accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-                    optimizer.step()
-                    optimizer.zero_grad()
-                step_loss += loss.item() / args.gradient_accumulation_steps
-                speed.add(batch["input_ids"].numel() * accelerator.num_processes)
-                # real tokens read by every process this micro-batch (computable anywhere: the schedule is shared)
-                tokens_seen += sum(train.lengths[i] for rank in range(accelerator.num_processes)
-                                   for i in batches[schedule.indices(step, micro, rank)[0]])
-            if not math.isfinite(step_loss):
-                raise UserError(f"the training loss became {step_loss} at step {step + 1}; the last good checkpoint "
-                                f"(if any) is in {args.output_dir}; lower --learning_rate and start again")
-            step += 1
-            bar.update(1)
-            bar.set_postfix(loss=f"{step_loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{speed.rate():.0f}")
-            row = {"step": step, "train_loss": step_loss, "lr": lr, "tokens_seen": tokens_seen,
-                   "time_s": round(time.time() - started, 1)}
-            if step % args.eval_every == 0 or step == args.max_steps:
-                evaluate_and_answer(row)
-            metrics.add(**row)
-            interrupted = save_between_steps(stop, accelerator, step, args, lambda: save(final=False))
-            if interrupted is not None:
-                return interrupted
-    bar.close()
-    save(final=step >= args.max_steps)
-    if step < args.max_steps:
-        accelerator.print(f"stopped after step {step} of {args.max_steps}; continue with --resume")
-    else:
-        before = next((r["val_loss"] for r in metrics.rows if r["step"] == 0 and "val_loss" in r), None)
-        change = f"{before:.3f} -> " if before is not None else ""
-        accelerator.print(f"saved {args.output_dir} (step {step}, {tokens_seen:,} tokens, val response loss "
-                          f"{change}{metrics.rows[-1].get('val_loss', float('nan')):.3f}, "
-                          f"{time.time() - started:.0f} s); answers in {os.path.join(args.output_dir, 'samples.md')}")
-    return 0
+    for step in stage.steps():
+        lr = lr_at(step, args.learning_rate, args.warmup_steps, args.max_steps)
+        set_lr(optimizer, lr)
+        step_loss, tokens = 0.0, 0
+        for micro in range(args.gradient_accumulation_steps):
+            batch = train.collate(batches[schedule.indices(step, micro, accelerator.process_index)[0]])
+            batch = {k: v.to(accelerator.device) for k, v in batch.items()}
+            with stage.accumulate():
+                loss = model(batch["input_ids"], attention_mask=batch["attention_mask"],
+                             labels=batch["labels"])["loss"]  # mean over this batch's response tokens
+                stage.backward(loss)
+            step_loss += loss.item() / args.gradient_accumulation_steps
+            tokens += int(batch["attention_mask"].sum())
+        row = {"train_loss": stage.end_step(step_loss, tokens), "lr": lr}
+        if stage.eval_due:
+            row.update(evaluate_and_answer())
+        stage.log(row, show=("train_loss", "lr"))
+    before, after = stage.results["val_loss_before_sft"], stage.latest_val().get("val_loss", float("nan"))
+    return stage.finish(f"val response loss {before:.3f} -> {after:.3f}; answers in "
+                        f"{os.path.join(args.output_dir, 'samples.md')}")
 
 
 if __name__ == "__main__":

@@ -17,24 +17,19 @@ A pointwise objective is also available: ``--objective pointwise`` trains binary
 
 from __future__ import annotations
 
-import math
 import os
 import sys
 import time
 
 import torch
-from tqdm.auto import tqdm
 
-from checkpoint import (check_output_dir, check_vocab, command_line, load_checkpoint, load_weights_into, parent_meta,
-                        read_config, save_checkpoint)
+from checkpoint import check_output_dir, load_backbone, load_checkpoint
 from chinese_tokenizer import apply_chat_template, load_tokenizer
 from cli import UserError, default_path, fill_defaults, positive_float, positive_int, run, stage_parser
-from corpus import expand_files, pad_right, read_jsonl, read_lines
-from gpt_model import GPTConfig, RewardModel
+from corpus import expand_files, length_grouped_batches, pad_right, read_jsonl, read_lines
+from gpt_model import RewardModel
 from reward import pair_metrics, pairwise_loss, pointwise_loss, score_texts
-from training import (BatchSchedule, MetricsLog, StopSignal, gather_rng_states, load_training_state, lr_at,
-                      make_accelerator, make_optimizer, save_between_steps, save_training_state, set_lr,
-                      spread_subset)
+from training import BatchSchedule, StageRun, lr_at, make_accelerator, make_optimizer, set_lr, spread_subset
 
 # Run length and optimisation per preset; every value can be overridden on the command line. The model's shape
 # comes from --init, so the preset only sets how long and how fast to train. With its prompt a review is at most
@@ -159,11 +154,12 @@ def score_main(args) -> int:
 
 # --- training --------------------------------------------------------------------------------------------------------
 
-def build_model(args):
+def build_model(args, tokenizer):
     """A ``RewardModel`` whose backbone holds the --init weights (its head is new); returns (model, parent meta)."""
-    model = RewardModel(GPTConfig.from_dict(read_config(args.init)["model"]))
-    load_weights_into(model.backbone, args.init)  # a GPT or a reward checkpoint's backbone
-    return model, parent_meta(args.init)
+    backbone, parent = load_backbone(args.init, "--init", tokenizer, "1-SFT.py", kind="backbone")
+    model = RewardModel(backbone.cfg)
+    model.backbone.load_state_dict(backbone.state_dict())
+    return model, parent
 
 
 def evaluate_pairs(model, pairs, tokenizer, args, accelerator) -> dict:
@@ -190,13 +186,10 @@ def main(argv=None):
     tokenizer = load_tokenizer(args.tokenizer)
 
     # --- model: the parent's GPT + a new scalar head ----------------------------------------------------------------
-    model, parent = build_model(args)
-    if args.resume:
-        load_weights_into(model, args.output_dir)
-    cfg = model.cfg
-    check_vocab(tokenizer, cfg.vocab_size, f"--tokenizer {args.tokenizer}", "use the matching --tokenizer")
-    if not 4 <= args.max_length <= cfg.context_length:
-        raise UserError(f"--max_length {args.max_length} must be in 4..{cfg.context_length} (the model's context)")
+    model, parent = build_model(args, tokenizer)
+    if not 4 <= args.max_length <= model.cfg.context_length:
+        raise UserError(f"--max_length {args.max_length} must be in 4..{model.cfg.context_length} (the model's "
+                        f"context)")
 
     # --- data: each side through the chat template, [CLS] prompt [ANS] response [SEP] ------------------------------
     def encode(prompt, response):
@@ -207,21 +200,19 @@ def main(argv=None):
         encoded = [(encode(p, c), encode(p, r)) for p, c, r in rows]
         train = [(c[0], r[0]) for c, r in encoded]  # (chosen ids, rejected ids)
         truncated = sum(c[2] or r[2] for c, r in encoded)
+        lengths = [max(len(c), len(r)) for c, r in train]
     else:
         rows = read_labelled(args.train_files, "--train_files")
         encoded = [(encode(p, t), label) for p, t, label in rows]
         train = [(e[0], label) for e, label in encoded]  # (ids, label)
         truncated = sum(e[2] for e, _ in encoded)
+        lengths = [len(ids) for ids, _ in train]
     val = read_pairs(args.val_files, "--val_files")
     val = [val[i] for i in spread_subset(len(val), args.eval_examples)]  # a fixed subset keeps evaluations short
     test_files = expand_files(args.test_files, "--test_files")  # fail now, not after training
-    # Batches of similar lengths waste little compute on padding (reviews run from 10 to 130 tokens): sort the
-    # examples by length, cut the sorted list into fixed batches of --batch_size, and let the schedule shuffle whole
-    # batches (the group-by-length idea of Hugging Face's Trainer). The order is still a pure function of
-    # (seed, step), so --resume stays exact.
-    by_length = sorted(range(len(train)), key=lambda i: max(len(train[i][0]), len(train[i][1]))
-                       if args.objective == "pairwise" else len(train[i][0]))
-    batches = [by_length[i:i + args.batch_size] for i in range(0, len(by_length), args.batch_size)]
+    # Reviews run from 10 to 130 tokens: batches of similar lengths waste little compute on padding, and the
+    # schedule shuffles whole batches (so the order is still a pure function of (seed, step) and --resume is exact).
+    batches = length_grouped_batches(lengths, args.batch_size)
     schedule = BatchSchedule(len(batches), 1, args.gradient_accumulation_steps, accelerator.num_processes, args.seed)
     accelerator.print(f"train: {len(train)} {'pairs' if args.objective == 'pairwise' else 'texts'} "
                       f"({truncated} cut to {args.max_length} tokens); val: {len(val)} pairs; "
@@ -235,103 +226,54 @@ def main(argv=None):
             return pad_right([c for c, _ in items] + [r for _, r in items])
         return {**pad_right([ids for ids, _ in items]), "labels": torch.tensor([label for _, label in items])}
 
-    # --- optimizer and Accelerate ------------------------------------------------------------------------------------
+    # --- optimizer, Accelerate, and the stage's plumbing (which resumes a run given --resume) -------------------------
     optimizer = make_optimizer(model.backbone, args.learning_rate, args.weight_decay)
     # the head is new: a larger step lets it grow to a useful scale while the pretrained backbone moves gently
     optimizer.add_param_group({"params": list(model.head.parameters()), "weight_decay": 0.0,
                                "lr_scale": args.head_lr_scale})
     model, optimizer = accelerator.prepare(model, optimizer)
-    step, tokens_seen, metrics = 0, 0, MetricsLog()
-    if args.resume:
-        trainer = load_training_state(os.path.join(args.output_dir, "state"), optimizer, accelerator)
-        step, tokens_seen = trainer["step"], trainer["tokens_seen"]
-        metrics = MetricsLog.resume(os.path.join(args.output_dir, "metrics.jsonl"), step)
-        accelerator.print(f"resumed at step {step}")
-
-    def save(final: bool, final_metrics: dict):
-        """Write the checkpoint (with a resumable state unless the run is complete)."""
-        rng = gather_rng_states(accelerator)
-        if accelerator.is_main_process:
-            files = {"metrics.jsonl": metrics.write}
-            if final:
-                files["loss_curve.png"] = lambda path: metrics.plot(
-                    path, "reward model", ["train_loss", "val_loss", "val_accuracy", "val_margin"])
-            meta = {"stage": "rm", **parent, "objective": args.objective, "max_length": args.max_length,
-                    "step": step, "tokens_seen": tokens_seen, "metrics": final_metrics, "command": command_line()}
-            state = None if final else (lambda d: save_training_state(
-                d, optimizer, {"step": step, "tokens_seen": tokens_seen}, rng))
-            save_checkpoint(args.output_dir, accelerator.unwrap_model(model), tokenizer, meta, state, files)
-        accelerator.wait_for_everyone()
-
-    def latest_val() -> dict:
-        last = next((r for r in reversed(metrics.rows) if "val_loss" in r), {})
-        return {k: v for k, v in last.items() if k.startswith("val_")}
+    stage = StageRun("rm", args, accelerator, model, optimizer, tokenizer,
+                     {**parent, "objective": args.objective, "max_length": args.max_length},
+                     plot=("loss_curve.png", ["train_loss", "val_loss", "val_accuracy", "val_margin"]))
 
     # --- the loop ----------------------------------------------------------------------------------------------------
-    last_step = min(args.max_steps, step + args.stop_after) if args.stop_after else args.max_steps
-    bar = tqdm(total=args.max_steps, initial=step, desc="rm", disable=not accelerator.is_main_process,
-               dynamic_ncols=True)
-    started = time.time()
     model.train()
-    with StopSignal() as stop:
-        while step < last_step:
-            lr = lr_at(step, args.learning_rate, args.warmup_steps, args.max_steps)
-            set_lr(optimizer, lr)
-            step_loss, step_accuracy, step_tokens = 0.0, 0.0, torch.zeros((), device=accelerator.device)
-            for micro in range(args.gradient_accumulation_steps):
-                batch = {k: v.to(accelerator.device)
-                         for k, v in collate(schedule.indices(step, micro, accelerator.process_index)[0]).items()}
-                with accelerator.accumulate(model), accelerator.autocast():
-                    rewards = model(batch["input_ids"], batch["attention_mask"])["rewards"]  # (2b,) or (b,)
-                    if args.objective == "pairwise":
-                        r_chosen, r_rejected = rewards.chunk(2)  # (b,), (b,): the collate put chosen rows first
-                        loss = pairwise_loss(r_chosen, r_rejected)
-                        correct = (r_chosen > r_rejected).float().mean()
-                    else:
-                        loss = pointwise_loss(rewards, batch["labels"])
-                        correct = ((rewards > 0).float() == batch["labels"]).float().mean()
-                    accelerator.backward(loss)  # divides by the accumulation steps once
-                    if accelerator.sync_gradients:
-                        accelerator.clip_grad_norm_(model.parameters(), args.max_grad_norm)
-                    optimizer.step()
-                    optimizer.zero_grad()
-                step_loss += loss.item() / args.gradient_accumulation_steps
-                step_accuracy += correct.item() / args.gradient_accumulation_steps
-                step_tokens += batch["attention_mask"].sum()
-            if not math.isfinite(step_loss):
-                raise UserError(f"the training loss became {step_loss} at step {step + 1}; the last good checkpoint "
-                                f"(if any) is in {args.output_dir}; lower --learning_rate and start again")
-            if accelerator.num_processes > 1:
-                step_tokens = accelerator.reduce(step_tokens, reduction="sum")
-            step += 1
-            tokens_seen += int(step_tokens.item())
-            bar.update(1)
-            bar.set_postfix(loss=f"{step_loss:.3f}", acc=f"{step_accuracy:.2f}", lr=f"{lr:.2e}")
-            row = {"step": step, "train_loss": step_loss, "train_accuracy": step_accuracy, "lr": lr,
-                   "tokens_seen": tokens_seen, "time_s": round(time.time() - started, 1)}
-            if step % args.eval_every == 0 or step == args.max_steps:
-                result = evaluate_pairs(model, val, tokenizer, args, accelerator)
-                row.update({f"val_{k}": v for k, v in result.items()})
-                bar.write(f"step {step}: val loss {result['loss']:.3f}, accuracy {result['accuracy']:.1%}, "
-                          f"margin {result['margin']:.2f}")
-            metrics.add(**row)
-            interrupted = save_between_steps(stop, accelerator, step, args, lambda: save(False, latest_val()))
-            if interrupted is not None:
-                return interrupted
-    bar.close()
-    if step < args.max_steps:
-        save(False, latest_val())
-        accelerator.print(f"stopped after step {step} of {args.max_steps}; continue with --resume")
-        return 0
+    for step in stage.steps():
+        lr = lr_at(step, args.learning_rate, args.warmup_steps, args.max_steps)
+        set_lr(optimizer, lr)
+        step_loss, step_accuracy, tokens = 0.0, 0.0, 0
+        for micro in range(args.gradient_accumulation_steps):
+            batch = {k: v.to(accelerator.device)
+                     for k, v in collate(schedule.indices(step, micro, accelerator.process_index)[0]).items()}
+            with stage.accumulate():
+                rewards = model(batch["input_ids"], batch["attention_mask"])["rewards"]  # (2b,) or (b,)
+                if args.objective == "pairwise":
+                    r_chosen, r_rejected = rewards.chunk(2)  # (b,), (b,): the collate put chosen rows first
+                    loss = pairwise_loss(r_chosen, r_rejected)
+                    correct = (r_chosen > r_rejected).float().mean()
+                else:
+                    loss = pointwise_loss(rewards, batch["labels"])
+                    correct = ((rewards > 0).float() == batch["labels"]).float().mean()
+                stage.backward(loss)
+            step_loss += loss.item() / args.gradient_accumulation_steps
+            step_accuracy += correct.item() / args.gradient_accumulation_steps
+            tokens += int(batch["attention_mask"].sum())
+        row = {"train_loss": stage.end_step(step_loss, tokens), "train_accuracy": step_accuracy, "lr": lr}
+        if stage.eval_due:
+            result = evaluate_pairs(model, val, tokenizer, args, accelerator)
+            row.update({f"val_{k}": v for k, v in result.items()})
+            stage.print(f"step {stage.step}: val loss {result['loss']:.3f}, accuracy {result['accuracy']:.1%}, "
+                        f"margin {result['margin']:.2f}")
+        stage.log(row, show=("train_loss", "train_accuracy", "lr"))
+    if not stage.completed:
+        return stage.finish()
 
     # --- test: pairs no stage has seen ------------------------------------------------------------------------------
     result = evaluate_pairs(model, read_pairs(test_files, "--test_files"), tokenizer, args, accelerator)
-    metrics.add(step=step, **{f"test_{k}": v for k, v in result.items()})
-    accelerator.print(f"test: loss {result['loss']:.3f}, accuracy {result['accuracy']:.1%}, "
-                      f"margin {result['margin']:.2f}")
-    save(True, {**latest_val(), **{f"test_{k}": round(v, 6) for k, v in result.items()}})
-    accelerator.print(f"saved {args.output_dir} (step {step}, {tokens_seen:,} tokens, {time.time() - started:.0f} s)")
-    return 0
+    stage.metrics.add(step=stage.step, **{f"test_{k}": v for k, v in result.items()})
+    stage.results.update({f"test_{k}": round(v, 6) for k, v in result.items()})
+    return stage.finish(f"test loss {result['loss']:.3f}, accuracy {result['accuracy']:.1%}, "
+                        f"margin {result['margin']:.2f}")
 
 
 if __name__ == "__main__":

@@ -22,24 +22,21 @@ equals the reference exactly (KL = 0) and the PPO ratio is exactly 1.
 
 from __future__ import annotations
 
-import math
+import copy
 import os
-import time
 
 import torch
 import torch.nn as nn
 from safetensors.torch import load_model, save_model
-from tqdm.auto import tqdm
 
-from checkpoint import check_output_dir, command_line, load_checkpoint, load_weights_into, parent_meta, save_checkpoint
-from chinese_tokenizer import EOS_ID, chat_prompt_ids, decode
+from checkpoint import check_output_dir, load_backbone, load_checkpoint
+from chinese_tokenizer import EOS_ID, chat_prompt_ids, decode, load_tokenizer
 from cli import UserError, default_path, fill_defaults, non_negative_float, positive_float, positive_int, run, \
     stage_parser
 from corpus import pad_left, read_jsonl
 from gpt_model import RewardModel, generate, last_real_index
-from training import (BatchSchedule, MetricsLog, StopSignal, gather_rng_states, load_training_state, lr_at,
-                      make_accelerator, make_optimizer, mean_over_processes, save_between_steps, save_training_state,
-                      set_lr)
+from training import (BatchSchedule, StageRun, lr_at, make_accelerator, make_optimizer, markdown_table,
+                      mean_over_processes, set_lr)
 
 # max_steps = PPO iterations; batch_size = sequences per update micro-batch; rollout_size = prompts per iteration
 DEFAULTS = {
@@ -228,153 +225,116 @@ def main(argv=None):
     accelerator = make_accelerator(args)
     check_output_dir(args.output_dir, args.overwrite, args.resume)
     device = accelerator.device
+    tokenizer = load_tokenizer(args.tokenizer)
 
     # --- data: prompts to practise on and held-out prompts to measure the gain ---------------------------------
     prompts = [r["prompt"] for r in read_jsonl(args.prompts_file, ("prompt",))]
     val_prompts = [r["prompt"] for r in read_jsonl(args.val_prompts_file, ("prompt",))][:args.eval_examples]
 
     # --- models: policy + frozen reference from SFT, frozen RM, critic initialised from the RM -------------------
-    policy, tokenizer, policy_config = load_checkpoint(args.policy, "gpt")
-    ref, _, _ = load_checkpoint(args.policy, "gpt")
+    policy, parent = load_backbone(args.policy, "--policy", tokenizer, "1-SFT.py")
+    ref = copy.deepcopy(policy)
     reward_model, _, _ = load_checkpoint(args.reward, "reward")
     if reward_model.cfg.vocab_size != policy.cfg.vocab_size:
         raise UserError(f"--reward {args.reward} has vocab_size {reward_model.cfg.vocab_size} but --policy "
                         f"{args.policy} has {policy.cfg.vocab_size}; train both from the same tokenizer")
     critic = RewardModel(reward_model.cfg)
     critic.load_state_dict(reward_model.state_dict())
-    if args.resume:
-        load_weights_into(policy, args.output_dir)
-        load_model(critic, os.path.join(args.output_dir, "state", "critic.safetensors"))
     for frozen in (ref, reward_model):
-        frozen.requires_grad_(False)
-        frozen.to(device)
+        frozen.requires_grad_(False).eval().to(device)
     context_length = min(policy.cfg.context_length, reward_model.cfg.context_length)
     if args.max_new_tokens > context_length - 3:
         raise UserError(f"--max_new_tokens {args.max_new_tokens} leaves no room for a prompt in a context of "
                         f"{context_length} (the shorter of policy and reward model); lower it")
 
+    # --- optimizer, Accelerate, and the stage's plumbing (which resumes a run given --resume) -----------------------
     trained = PolicyAndCritic(policy, critic)
     optimizer = make_optimizer(trained, args.learning_rate, args.weight_decay)
     trained, optimizer = accelerator.prepare(trained, optimizer)
     trained.eval()  # dropout off everywhere: rollouts and updates see the same network
     unwrapped = accelerator.unwrap_model(trained)
-    step, beta, metrics = 0, args.kl_coef, MetricsLog()
+    stage = StageRun("ppo", args, accelerator, trained, optimizer, tokenizer,
+                     {**parent, "reward": os.path.abspath(args.reward)},
+                     plot=("curves.png", ["score", "kl", "clip_fraction", "entropy", "value_loss", "val_score"]),
+                     saved=unwrapped.policy, extra={"kl_coef": args.kl_coef},
+                     write_state=lambda d: save_model(unwrapped.critic, os.path.join(d, "critic.safetensors")))
     if args.resume:
-        state = load_training_state(os.path.join(args.output_dir, "state"), optimizer, accelerator)
-        step, beta = state["step"], state["kl_coef"]
-        metrics = MetricsLog.resume(os.path.join(args.output_dir, "metrics.jsonl"), step)
+        load_model(unwrapped.critic, os.path.join(args.output_dir, "state", "critic.safetensors"))
 
     def held_out_score(tag):
         score, examples = mean_score(unwrapped.policy, reward_model, val_prompts, tokenizer, args, context_length,
                                      device, args.seed)
-        accelerator.print(f"{tag}: mean RM score on {len(val_prompts)} held-out prompts = {score:.3f}")
+        stage.print(f"{tag}: mean RM score on {len(val_prompts)} held-out prompts = {score:.3f}")
         return score, examples
 
-    sft_score = metrics.rows[0]["val_score_sft"] if metrics.rows and args.resume else held_out_score("SFT policy")[0]
-    if not metrics.rows:  # step 0 of the val_score curve: the SFT policy before any update
-        metrics.add(step=0, val_score=sft_score, val_score_sft=sft_score)
-
-    def save(final: bool, extra_meta=None, samples=None):
-        rng = gather_rng_states(accelerator)
-        if accelerator.is_main_process:
-            files = {"metrics.jsonl": metrics.write}
-            if final:
-                files["curves.png"] = lambda path: metrics.plot(
-                    path, "ppo", ["score", "kl", "clip_fraction", "entropy", "value_loss", "val_score"])
-            if samples:
-                files["samples.md"] = lambda path: write_samples(path, samples)
-            meta = {"stage": "ppo", **parent_meta(args.policy), "reward": os.path.abspath(args.reward),
-                    "step": step, "kl_coef": beta, "metrics": extra_meta or {}, "command": command_line()}
-
-            def write_state(d):
-                save_training_state(d, optimizer, {"step": step, "kl_coef": beta}, rng)
-                save_model(unwrapped.critic, os.path.join(d, "critic.safetensors"))
-
-            save_checkpoint(args.output_dir, unwrapped.policy, tokenizer, meta, None if final else write_state, files)
-        accelerator.wait_for_everyone()
+    if stage.step == 0:  # step 0 of the val_score curve: the SFT policy before any update
+        sft_score = held_out_score("SFT policy")[0]
+        stage.log({"val_score": sft_score, "val_score_sft": sft_score})
+    sft_score = stage.metrics.rows[0]["val_score_sft"]
 
     # --- the loop: rollouts, advantages, PPO epochs ------------------------------------------------------------
     schedule = BatchSchedule(len(prompts), args.rollout_size, 1, accelerator.num_processes, args.seed)
-    last_step = min(args.max_steps, step + args.stop_after) if args.stop_after else args.max_steps
-    bar = tqdm(total=args.max_steps, initial=step, desc="ppo", disable=not accelerator.is_main_process,
-               dynamic_ncols=True)
-    started = time.time()
-    with StopSignal() as stop:
-        while step < last_step:
-            batch_prompts = [prompts[i] for i in schedule.indices(step, 0, accelerator.process_index)]
-            data = rollout(unwrapped.policy, ref, unwrapped.critic, reward_model, batch_prompts, tokenizer, args,
-                           context_length, device)
-            mask = data["response_mask"]
-            rewards = kl_penalised_rewards(data["scores"], data["logprobs"], data["ref_logprobs"], mask, beta)
-            advantages, returns = gae(rewards, data["values"], mask, args.gamma, args.lam)
-            advantages = masked_whiten(advantages, mask)
-            # mean over every process's rollouts: the KL controller must move beta the same way everywhere
-            score, kl = mean_over_processes(accelerator, [data["scores"].mean().item(), (
-                (data["logprobs"] - data["ref_logprobs"]) * mask).sum(1).mean().item()])
+    for step in stage.steps():
+        batch_prompts = [prompts[i] for i in schedule.indices(step, 0, accelerator.process_index)]
+        data = rollout(unwrapped.policy, ref, unwrapped.critic, reward_model, batch_prompts, tokenizer, args,
+                       context_length, device)
+        mask = data["response_mask"]
+        beta = stage.extra["kl_coef"]
+        rewards = kl_penalised_rewards(data["scores"], data["logprobs"], data["ref_logprobs"], mask, beta)
+        advantages, returns = gae(rewards, data["values"], mask, args.gamma, args.lam)
+        advantages = masked_whiten(advantages, mask)
+        # mean over every process's rollouts: the KL controller must move beta the same way everywhere
+        score, kl = mean_over_processes(accelerator, [data["scores"].mean().item(), (
+            (data["logprobs"] - data["ref_logprobs"]) * mask).sum(1).mean().item()])
 
-            set_lr(optimizer, lr_at(step, args.learning_rate, args.warmup_steps, args.max_steps))
-            P, n = data["prompt_len"], len(batch_prompts)
-            stats = []
-            for epoch in range(args.ppo_epochs):
-                order = torch.randperm(n)
-                for start in range(0, n, args.batch_size):
-                    idx = order[start:start + args.batch_size].to(device)
-                    with accelerator.accumulate(trained), accelerator.autocast():
-                        out = trained(data["input_ids"][idx], data["attention_mask"][idx])
-                        logits = out["logits"][:, P - 1:-1]  # (b, R, V)
-                        logprobs = token_logprobs(logits, data["input_ids"][idx, P:])  # (b, R)
-                        values = out["values"][:, P - 1:-1].float()  # (b, R)
-                        policy_loss, value_loss, clip_fraction, approx_kl = ppo_losses(
-                            logprobs, data["logprobs"][idx], advantages[idx], values, data["values"][idx],
-                            returns[idx], mask[idx], args.cliprange, args.cliprange_value)
-                        accelerator.backward(policy_loss + args.vf_coef * value_loss)
-                        if accelerator.sync_gradients:
-                            accelerator.clip_grad_norm_(trained.parameters(), args.max_grad_norm)
-                        optimizer.step()
-                        optimizer.zero_grad()
-                    with torch.no_grad():
-                        entropy = masked_mean(entropy_from_logits(logits), mask[idx])
-                    stats.append(torch.stack([policy_loss, value_loss, clip_fraction, approx_kl, entropy]).detach())
-            policy_loss, value_loss, clip_fraction, approx_kl, entropy = torch.stack(stats).mean(0).tolist()
-            if not math.isfinite(policy_loss + value_loss):
-                raise UserError(f"the PPO loss became non-finite at iteration {step + 1}; lower --learning_rate")
-            if args.target_kl > 0:  # adaptive KL controller of Ziegler et al. (2019), horizon 10000 samples
-                error = max(-0.2, min(0.2, kl / args.target_kl - 1))
-                beta *= 1 + error * n * accelerator.num_processes / 10000
-            step += 1
-            row = {"step": step, "score": score, "kl": kl, "kl_coef": beta,
-                   "clip_fraction": clip_fraction, "entropy": entropy, "policy_loss": policy_loss,
-                   "value_loss": value_loss, "approx_kl": approx_kl, "response_len": mask.sum(1).mean().item(),
-                   "time_s": round(time.time() - started, 1)}
-            bar.update(1)
-            bar.set_postfix(score=f"{row['score']:.2f}", kl=f"{kl:.2f}", clip=f"{clip_fraction:.2f}")
-            if step % args.eval_every == 0 and step < args.max_steps:
-                row["val_score"] = held_out_score(f"iteration {step}")[0]
-            metrics.add(**row)
-            interrupted = save_between_steps(stop, accelerator, step, args, lambda: save(final=False))
-            if interrupted is not None:
-                return interrupted
-    bar.close()
-    if step < args.max_steps:
-        save(final=False)
-        accelerator.print(f"stopped after iteration {step} of {args.max_steps}; continue with --resume")
-        return 0
+        set_lr(optimizer, lr_at(step, args.learning_rate, args.warmup_steps, args.max_steps))
+        P, n = data["prompt_len"], len(batch_prompts)
+        stats = []
+        for epoch in range(args.ppo_epochs):
+            order = torch.randperm(n)
+            for start in range(0, n, args.batch_size):
+                idx = order[start:start + args.batch_size].to(device)
+                with stage.accumulate():
+                    out = trained(data["input_ids"][idx], data["attention_mask"][idx])
+                    logits = out["logits"][:, P - 1:-1]  # (b, R, V)
+                    logprobs = token_logprobs(logits, data["input_ids"][idx, P:])  # (b, R)
+                    values = out["values"][:, P - 1:-1].float()  # (b, R)
+                    policy_loss, value_loss, clip_fraction, approx_kl = ppo_losses(
+                        logprobs, data["logprobs"][idx], advantages[idx], values, data["values"][idx],
+                        returns[idx], mask[idx], args.cliprange, args.cliprange_value)
+                    stage.backward(policy_loss + args.vf_coef * value_loss)
+                with torch.no_grad():
+                    entropy = masked_mean(entropy_from_logits(logits), mask[idx])
+                stats.append(torch.stack([policy_loss, value_loss, clip_fraction, approx_kl, entropy]).detach())
+        policy_loss, value_loss, clip_fraction, approx_kl, entropy = torch.stack(stats).mean(0).tolist()
+        stage.end_step(policy_loss + value_loss, tokens=int(data["attention_mask"].sum()))
+        if args.target_kl > 0:  # adaptive KL controller of Ziegler et al. (2019), horizon 10000 samples
+            error = max(-0.2, min(0.2, kl / args.target_kl - 1))
+            stage.extra["kl_coef"] = beta * (1 + error * n * accelerator.num_processes / 10000)
+        row = {"score": score, "kl": kl, "kl_coef": stage.extra["kl_coef"], "clip_fraction": clip_fraction,
+               "entropy": entropy, "policy_loss": policy_loss, "value_loss": value_loss, "approx_kl": approx_kl,
+               "response_len": mask.sum(1).mean().item()}
+        if stage.eval_due and not stage.completed:
+            row["val_score"] = held_out_score(f"iteration {stage.step}")[0]
+        stage.log(row, show=("score", "kl", "clip_fraction"))
+    if not stage.completed:
+        return stage.finish()
+
+    # --- the gain on held-out prompts -----------------------------------------------------------------------------
     ppo_score, examples = held_out_score("PPO policy")
-    metrics.rows[-1]["val_score"] = ppo_score
-    final = {"val_score_sft": sft_score, "val_score_ppo": ppo_score, "val_score_gain": ppo_score - sft_score,
-             "kl": metrics.rows[-1]["kl"]}
-    save(final=True, extra_meta=final, samples=examples[:12])
-    accelerator.print(f"saved {args.output_dir}: held-out RM score {sft_score:.3f} (SFT) -> {ppo_score:.3f} (PPO), "
-                      f"KL {final['kl']:.2f} nats/response, {time.time() - started:.0f} s")
-    return 0
+    stage.metrics.rows[-1]["val_score"] = ppo_score
+    stage.results.update(val_score_sft=sft_score, val_score_ppo=ppo_score, val_score_gain=ppo_score - sft_score,
+                         kl=stage.metrics.rows[-1]["kl"])
+    stage.files["samples.md"] = lambda path: write_samples(path, examples[:12])
+    return stage.finish(f"held-out RM score {sft_score:.3f} (SFT) -> {ppo_score:.3f} (PPO), "
+                        f"KL {stage.results['kl']:.2f} nats/response")
 
 
 def write_samples(path, examples):
+    """``samples.md``: the PPO policy's held-out answers with their RM scores."""
     with open(path, "w", encoding="utf-8") as f:
-        f.write("| prompt | response | RM score |\n|---|---|---|\n")
-        for e in examples:
-            cells = [str(e[k]).replace("|", "\\|").replace("\n", " ") for k in ("prompt", "response", "score")]
-            f.write("| " + " | ".join(cells) + " |\n")
+        f.write(markdown_table(("prompt", "response", "RM score"),
+                               [(e["prompt"], e["response"], e["score"]) for e in examples]))
 
 
 if __name__ == "__main__":

@@ -28,7 +28,7 @@ from safetensors.torch import load_model, save_model
 
 from chinese_tokenizer import load_tokenizer
 from cli import UserError
-from gpt_model import GPTConfig, GPTModel, RewardModel
+from gpt_model import GPTConfig, GPTModel, RewardModel, unwrap_compiled
 
 MODEL_FILE, CONFIG_FILE, TOKENIZER_DIR, STATE_DIR = "model.safetensors", "config.json", "tokenizer", "state"
 MODEL_TYPES = {"gpt": GPTModel, "reward": RewardModel}
@@ -74,7 +74,7 @@ def save_checkpoint(output_dir: str, model, tokenizer, meta: dict, write_state=N
     Raises:
         UserError: the disk is full or the directory is not writable; the previous checkpoint is left intact.
     """
-    model = getattr(model, "_orig_mod", model)  # torch.compile's OptimizedModule holds the real module
+    model = unwrap_compiled(model)
     model_type = next(name for name, cls in MODEL_TYPES.items() if isinstance(model, cls))
     parent = os.path.dirname(os.path.abspath(output_dir))
     tmp = None
@@ -201,6 +201,27 @@ def load_weights_into(model, path: str) -> None:
         raise UserError(f"checkpoint {path} has another architecture than this run (checkpoint vs run: {diff}); "
                         f"use --preset matching the checkpoint or omit the size flags")
     model.load_state_dict(source.state_dict())
+
+
+def load_backbone(path: str, flag: str, tokenizer, written_by: str, kind: str = "gpt"):
+    """The language model a stage starts from: checkpoint ``path``'s ``GPTModel`` in train mode, and what the new
+    checkpoint records about its parent (``parent_meta``).
+
+    Args:
+        flag: the command-line flag that named ``path``, and ``written_by`` the script that writes such a
+            checkpoint (both for the error message).
+        tokenizer: the run's tokenizer; the checkpoint's vocabulary must match it.
+        kind: "gpt" takes a language model only (pretrain, SFT, PPO); "backbone" also takes a reward model's
+            backbone (the RM may start from SFT or from another RM).
+    Raises:
+        UserError: no checkpoint at ``path``, the wrong kind, damaged files, or another vocabulary.
+    """
+    if not os.path.isfile(os.path.join(path, CONFIG_FILE)):
+        raise UserError(f"{flag} {path}: no checkpoint there (missing {CONFIG_FILE}); run `python {written_by}` "
+                        f"first, or pass {flag} DIR")
+    model, _, _ = load_checkpoint(path, kind, expect_vocab_size=len(tokenizer))
+    model.train()
+    return model, parent_meta(path)
 
 
 def parent_meta(path: str) -> dict:

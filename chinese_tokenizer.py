@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 
+import torch
 from tokenizers import AddedToken, decoders
 from transformers import BertTokenizerFast
 
@@ -120,6 +121,21 @@ def decode(ids, tokenizer: BertTokenizerFast, skip_special_tokens: bool = True) 
     if skip_special_tokens:
         ids = [i for i in ids if i not in (PAD_ID, CLS_ID, SEP_ID, ANSWER_ID, MASK_ID)]
     return tokenizer.decode(ids, skip_special_tokens=False)
+
+
+def text_to_token_ids(text: str, tokenizer: BertTokenizerFast):
+    """Text -> (1, T) LongTensor of ids, with no [CLS]/[SEP] added (the seed's helper, as a batch of one)."""
+    return torch.tensor(encode(text, tokenizer), dtype=torch.long).unsqueeze(0)  # (1, T)
+
+
+def token_ids_to_text(token_ids, tokenizer: BertTokenizerFast) -> str:
+    """(1, T) or (T,) ids -> text, special tokens dropped, no spaces between CJK characters."""
+    return decode(token_ids.reshape(-1), tokenizer)
+
+
+def until_eos(ids: list[int]) -> list[int]:
+    """The ids before the first ``[SEP]`` (the end of a document or of an answer): all of them if there is none."""
+    return ids[:ids.index(EOS_ID)] if EOS_ID in ids else ids
 
 
 def chat_prompt_ids(prompt: str, tokenizer: BertTokenizerFast, max_length: int | None = None) -> list[int]:

@@ -11,6 +11,8 @@ import argparse
 import os
 import sys
 
+from gpt_model import PRESETS
+
 
 class UserError(Exception):
     """Bad input from the user; the message says what is wrong, where, and what to do."""
@@ -88,8 +90,6 @@ def stage_parser(description: str, output_dir: str, defaults: dict) -> ArgumentP
 
     The stage adds its own data and model-source flags (``--init``, ``--policy``/``--reward``) after this.
     """
-    from gpt_model import PRESETS
-
     sizes = "; ".join(f"{name}: {c.n_layers} layers x {c.emb_dim}, context {c.context_length}"
                       for name, c in PRESETS.items())
     epilog = "defaults per --preset (any flag overrides):\n" + "\n".join(

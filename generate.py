@@ -37,7 +37,7 @@ import sys
 import torch
 
 from checkpoint import check_vocab, load_checkpoint, read_config
-from chinese_tokenizer import EOS_ID, chat_prompt_ids, decode, encode
+from chinese_tokenizer import EOS_ID, chat_prompt_ids, decode, encode, until_eos
 from cli import ArgumentParser, UserError, default_path, non_negative_float, non_negative_int, positive_float, \
     positive_int, probability, run
 from gpt_model import generate
@@ -161,11 +161,6 @@ def check_prompt(prompt: str, where: str) -> str:
     if not prompt.strip():
         raise UserError(f"{where} is empty; give some text to continue")
     return prompt
-
-
-def until_eos(ids: list[int]) -> list[int]:
-    """The tokens before the first ``[SEP]``."""
-    return ids[: ids.index(EOS_ID)] if EOS_ID in ids else ids
 
 
 def sample(model, ids: list[int], args, num_samples: int, stream=None) -> list[list[int]]:

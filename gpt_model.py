@@ -575,6 +575,13 @@ def apply_repetition_penalty(logits, idx, penalty: float):
     return logits.scatter(1, idx, seen)
 
 
+def unwrap_compiled(model: nn.Module) -> nn.Module:
+    """The module inside a ``torch.compile`` wrapper (which ``accelerate launch --dynamo_backend`` leaves on the
+    prepared model), or ``model`` itself. Saving and generation use the real module: its state-dict names carry
+    no ``_orig_mod.`` prefix, and it does not recompile for every new sequence length."""
+    return getattr(model, "_orig_mod", model)
+
+
 def generate(model, idx, max_new_tokens, context_size, temperature=0.0, top_k=None, top_p=None, eos_id=None,
              attention_mask=None, repetition_penalty=1.0, stream=None):
     """Continue each row of ``idx`` (B, T) by up to ``max_new_tokens`` tokens; returns (B, T + n) LongTensor.
@@ -600,9 +607,7 @@ def generate(model, idx, max_new_tokens, context_size, temperature=0.0, top_k=No
         raise ValueError(f"temperature must be >= 0 (0 means greedy), got {temperature}")
     if repetition_penalty <= 0:
         raise ValueError(f"repetition_penalty must be > 0, got {repetition_penalty}")
-    # a torch.compile wrapper (accelerate launch --dynamo_backend) would recompile for every new length: use the
-    # module inside it
-    model = getattr(model, "_orig_mod", model)
+    model = unwrap_compiled(model)  # a compiled wrapper would recompile for every new length
     # inference mode: no autograd bookkeeping at all (faster than no_grad); the result is cloned out of it
     # so that callers may train on the generated ids (PPO does)
     with torch.inference_mode():
@@ -646,17 +651,3 @@ def generate(model, idx, max_new_tokens, context_size, temperature=0.0, top_k=No
                 cache, logits = None, None  # past the context: the window slides, so positions must be recomputed
         model.train(was_training)
     return idx.clone()
-
-
-def text_to_token_ids(text, tokenizer):
-    """Text -> (1, T) LongTensor of ids, with no [CLS]/[SEP] added."""
-    from chinese_tokenizer import encode
-
-    return torch.tensor(encode(text, tokenizer), dtype=torch.long).unsqueeze(0)  # (1, T)
-
-
-def token_ids_to_text(token_ids, tokenizer):
-    """(1, T) or (T,) ids -> text, special tokens dropped, no spaces between CJK characters."""
-    from chinese_tokenizer import decode
-
-    return decode(token_ids.reshape(-1), tokenizer)

@@ -8,8 +8,10 @@
   with batch b see the same global batches as one process with batch N*b.
 * ``save_training_state`` / ``load_training_state``: optimizer, step and RNG in safetensors + JSON (no pickle).
 * ``StopSignal``: Ctrl-C / SIGTERM finish the current step, save a resumable state, then exit.
-* ``MetricsLog``: metrics.jsonl rows and the curves PNG.
+* ``MetricsLog``: metrics.jsonl rows and the curves PNG; ``markdown_table`` for the samples tables.
 * ``evaluate_lm``: mean next-token loss over a validation set, split over processes.
+* ``StageRun``: the plumbing every stage shares (resume, the step loop and its bar, the optimizer step, the loss
+  check that all processes agree on, saves, the closing message), so each stage script keeps only its own story.
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ import time
 import torch
 import torch.nn as nn
 from safetensors.torch import load_file, save_file
+from tqdm.auto import tqdm
 
+from checkpoint import command_line, load_weights_into, save_checkpoint
 from cli import UserError
 
 
@@ -211,22 +215,6 @@ class StopSignal:
         return 128 + (self.signum or signal.SIGINT)
 
 
-def save_between_steps(stop: "StopSignal", accelerator, step: int, args, save_resumable) -> int | None:
-    """What every stage does after a step: on Ctrl-C/SIGTERM, save a resumable state, print how to resume and
-    return the exit code (128 + the signal); otherwise save every ``--save_every`` steps and return None.
-    ``save_resumable()`` writes the checkpoint with its ``state/``. All processes must call it."""
-    from checkpoint import command_line
-
-    if stop.requested(accelerator):
-        save_resumable()
-        accelerator.print(f"interrupted at step {step}; state saved in {args.output_dir}. Continue with: "
-                          f"{command_line()} --resume")
-        return stop.exit_code
-    if args.save_every and step % args.save_every == 0 and step < args.max_steps:
-        save_resumable()
-    return None
-
-
 class MetricsLog:
     """Rows of metrics, one JSON object per line in ``metrics.jsonl``; ``plot`` draws every numeric series."""
 
@@ -307,17 +295,195 @@ def spread_subset(n: int, k: int) -> list[int]:
     return [i * n // k for i in range(k)]
 
 
-class Throughput:
-    """Tokens per second over the steps since the last ``rate`` call."""
+def markdown_table(headers, rows) -> str:
+    """A Markdown table: one header row, then one row per item of ``rows`` (each a sequence of cells).
+    ``|`` is escaped and newlines become ``<br>``, so every cell stays in its column."""
+    def cell(value) -> str:
+        return str(value).replace("|", "\\|").replace("\n", "<br>")
 
-    def __init__(self):
-        self.t0, self.tokens = time.perf_counter(), 0
+    lines = ["| " + " | ".join(map(cell, headers)) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(map(cell, row)) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
 
-    def add(self, tokens: int) -> None:
-        self.tokens += tokens
 
-    def rate(self) -> float:
-        now = time.perf_counter()
-        value = self.tokens / max(now - self.t0, 1e-9)
-        self.t0, self.tokens = now, 0
-        return value
+class StageRun:
+    """Everything a training stage does besides its own maths, written once.
+
+    A stage builds its data, model and optimizer, hands them to ``StageRun``, and keeps its forward pass, loss and
+    evaluation inline in its own loop. ``StageRun`` owns:
+
+    * resume: with ``--resume``, the constructor loads the saved weights, optimizer, RNG, counters and metrics;
+    * ``steps()``: the loop over optimizer steps with the progress bar; after each step it saves a resumable
+      checkpoint on Ctrl-C/SIGTERM (then ends the loop) or every ``--save_every`` steps;
+    * ``accumulate()`` + ``backward(loss)``: one micro-batch under ``accelerator.accumulate`` and autocast, then
+      backward, clipping and the optimizer step (which Accelerate skips until the last micro-batch);
+    * ``end_step(loss, tokens)``: the loss averaged over processes and checked on every process alike, so a
+      non-finite loss on one process stops them all with the same error instead of leaving the others waiting
+      in the next collective; the step and token counters;
+    * ``log(row)``: one ``metrics.jsonl`` row with step, tokens_seen and seconds;
+    * ``save(final)`` / ``finish(summary)``: the checkpoint (atomic, see ``checkpoint.save_checkpoint``) with
+      metrics, the curves PNG, the stage's extra files and, unless final, ``state/``; the closing message.
+
+    It is not a trainer: it never calls the model, and it knows nothing of what a stage's batch holds.
+
+    Args:
+        stage: the stage's name, stored in ``config.json`` ("pretrain", "sft", ...).
+        args: the parsed arguments (``output_dir``, ``resume``, ``max_steps``, ``stop_after``, ``save_every``,
+            ``eval_every``, ``max_grad_norm``).
+        model, optimizer: as returned by ``accelerator.prepare``.
+        saved: the module whose weights the checkpoint holds (default: the unwrapped ``model``).
+        meta: what ``config.json`` records besides the counters (the parent, stage options).
+        plot: (file name, metric keys) of the curves PNG written with the final checkpoint.
+        extra: JSON counters the stage updates and that resume restores (e.g. PPO's ``kl_coef``).
+        write_state: an optional ``fn(state_dir)`` saving more resumable tensors (e.g. PPO's critic).
+    """
+
+    def __init__(self, stage: str, args, accelerator, model, optimizer, tokenizer, meta: dict, plot, saved=None,
+                 extra: dict | None = None, write_state=None):
+        self.stage, self.args, self.accelerator = stage, args, accelerator
+        self.model, self.optimizer, self.tokenizer = model, optimizer, tokenizer
+        self.saved = saved if saved is not None else accelerator.unwrap_model(model)
+        self.meta, self.plot, self.extra, self.write_state = meta, plot, dict(extra or {}), write_state
+        self.step, self.tokens_seen, self.metrics = 0, 0, MetricsLog()
+        self.results = {}  # final metrics for config.json beside the latest val_* values
+        self.files = {}  # {file name: fn(path)}: the stage's own files (e.g. samples.md), written at each save
+        self.exit_code = None  # set when Ctrl-C/SIGTERM ended the loop
+        self.started = time.time()
+        self._bar, self._tokens_at, self._time_at = None, 0, time.perf_counter()
+        if args.resume:
+            self._resume()
+
+    @property
+    def completed(self) -> bool:
+        return self.step >= self.args.max_steps
+
+    @property
+    def eval_due(self) -> bool:
+        """True after a step that ends a ``--eval_every`` period or the run."""
+        return self.step % self.args.eval_every == 0 or self.step == self.args.max_steps
+
+    def _resume(self) -> None:
+        """Load the weights, optimizer, RNG, counters and metrics saved in ``--output_dir``."""
+        load_weights_into(self.saved, self.args.output_dir)
+        trainer = load_training_state(os.path.join(self.args.output_dir, "state"), self.optimizer, self.accelerator)
+        self.step, self.tokens_seen = trainer["step"], trainer.get("tokens_seen", 0)
+        self.extra.update({k: trainer[k] for k in self.extra if k in trainer})
+        self.metrics = MetricsLog.resume(os.path.join(self.args.output_dir, "metrics.jsonl"), self.step)
+        self.accelerator.print(f"resumed at step {self.step}")
+
+    def steps(self):
+        """Yield the 0-based index of each optimizer step still to run (up to ``--max_steps``, or ``--stop_after``
+        more); the body must call ``end_step``. All processes must iterate alike."""
+        args = self.args
+        last = min(args.max_steps, self.step + args.stop_after) if args.stop_after else args.max_steps
+        self._bar = tqdm(total=args.max_steps, initial=self.step, desc=self.stage, dynamic_ncols=True,
+                         disable=not self.accelerator.is_main_process)
+        with StopSignal() as stop:
+            while self.step < last:
+                yield self.step
+                if stop.requested(self.accelerator):
+                    self.save(final=False)
+                    self.print(f"interrupted at step {self.step}; state saved in {args.output_dir}. Continue with: "
+                               f"{command_line()} --resume")
+                    self.exit_code = stop.exit_code
+                    break
+                if args.save_every and self.step % args.save_every == 0 and self.step < args.max_steps:
+                    self.save(final=False)
+        self._bar.close()
+
+    def accumulate(self):
+        """The context of one micro-batch: gradient accumulation (and DDP's gradient sync) plus autocast."""
+        from contextlib import ExitStack
+
+        stack = ExitStack()
+        stack.enter_context(self.accelerator.accumulate(self.model))
+        stack.enter_context(self.accelerator.autocast())
+        return stack
+
+    def backward(self, loss) -> None:
+        """Backward (Accelerate divides by the accumulation steps once), then on the last micro-batch of the step
+        clip the gradient norm to ``--max_grad_norm``, step the optimizer and zero the gradients."""
+        self.accelerator.backward(loss)
+        if self.accelerator.sync_gradients:
+            self.accelerator.clip_grad_norm_(self.model.parameters(), self.args.max_grad_norm)
+        self.optimizer.step()  # Accelerate's optimizer steps only once the gradients are synced
+        self.optimizer.zero_grad()
+
+    def end_step(self, loss: float, tokens: int = 0) -> float:
+        """Close a step: ``loss`` (this process's mean over its micro-batches) averaged over processes and
+        ``tokens`` (real tokens this process read) summed, in one collective; then the counters and the bar.
+
+        Raises:
+            UserError: on every process alike, when the loss is not finite on any of them.
+        """
+        values = torch.tensor([loss, float(tokens)], dtype=torch.float64, device=self.accelerator.device)
+        if self.accelerator.num_processes > 1:
+            values = self.accelerator.reduce(values, reduction="sum")  # NaN or inf anywhere makes the sum non-finite
+        loss, tokens = values[0].item() / self.accelerator.num_processes, int(values[1].item())
+        if not math.isfinite(loss):
+            raise UserError(f"the training loss became {loss} at step {self.step + 1}; the last good checkpoint "
+                            f"(if any) is in {self.args.output_dir}; lower --learning_rate and start again")
+        self.step += 1
+        self.tokens_seen += tokens
+        self._bar.update(1)
+        return loss
+
+    def log(self, row: dict, show=()) -> dict:
+        """Add a metrics row for the current step (``step``, ``tokens_seen`` and ``time_s`` are filled in) and
+        show the keys ``show`` and the tokens per second since the last row on the bar."""
+        row = self.metrics.add(step=self.step, **row, tokens_seen=self.tokens_seen,
+                               time_s=round(time.time() - self.started, 1))
+        if self._bar is not None and self.step > 0:
+            now = time.perf_counter()
+            rate = (self.tokens_seen - self._tokens_at) / max(now - self._time_at, 1e-9)
+            self._tokens_at, self._time_at = self.tokens_seen, now
+            postfix = {k: (f"{row[k]:.3g}" if isinstance(row[k], float) else row[k]) for k in show if k in row}
+            self._bar.set_postfix(**postfix, **({"tok_s": f"{rate:.0f}"} if rate else {}))
+        return row
+
+    def print(self, message: str) -> None:
+        """Print on the main process only, above the progress bar."""
+        if self.accelerator.is_main_process:
+            (self._bar.write if self._bar is not None else print)(message)
+
+    def latest_val(self) -> dict:
+        """The ``val_*`` values of the latest row that has any."""
+        last = next((r for r in reversed(self.metrics.rows) if any(k.startswith("val_") for k in r)), {})
+        return {k: v for k, v in last.items() if k.startswith("val_") and isinstance(v, (int, float))}
+
+    def save(self, final: bool) -> None:
+        """Write the checkpoint: weights, config (with ``meta``, counters and metrics), tokenizer, metrics.jsonl,
+        the stage's ``files``, the curves PNG if ``final``, and otherwise the resumable ``state/``. All processes
+        must call it (the RNG states are gathered)."""
+        rng = gather_rng_states(self.accelerator)
+        if self.accelerator.is_main_process:
+            files = {"metrics.jsonl": self.metrics.write, **self.files}
+            if final:
+                name, keys = self.plot
+                files[name] = lambda path: self.metrics.plot(path, self.stage, keys)
+            counters = {"step": self.step, "tokens_seen": self.tokens_seen, **self.extra}
+            meta = {"stage": self.stage, **self.meta, **counters, "metrics": {**self.latest_val(), **self.results},
+                    "command": command_line()}
+
+            def write_state(state_dir):
+                save_training_state(state_dir, self.optimizer, counters, rng)
+                if self.write_state is not None:
+                    self.write_state(state_dir)
+
+            save_checkpoint(self.args.output_dir, self.saved, self.tokenizer, meta, None if final else write_state,
+                            files)
+        self.accelerator.wait_for_everyone()
+
+    def finish(self, summary: str = "") -> int:
+        """End the stage and return its exit code: after Ctrl-C the signal's (the state is already saved); after
+        ``--stop_after`` a resumable checkpoint; after the last step the final one and the closing message."""
+        if self.exit_code is not None:
+            return self.exit_code
+        if not self.completed:
+            self.save(final=False)
+            self.accelerator.print(f"stopped after step {self.step} of {self.args.max_steps}; continue with --resume")
+            return 0
+        self.save(final=True)
+        self.accelerator.print(f"saved {self.args.output_dir} (step {self.step}, {self.tokens_seen:,} tokens, "
+                               f"{summary + ', ' if summary else ''}{time.time() - self.started:.0f} s)")
+        return 0

@@ -563,7 +563,7 @@ def test_greedy_generation_reproduces_a_memorised_sentence(memorised, tokenizer)
         prompt = torch.tensor([[ct.CLS_ID] + ct.encode(s[:2], tokenizer)])
         out = gm.generate(model, prompt, max_new_tokens=30, context_size=64, eos_id=ct.SEP_ID)
         assert out[0, -1].item() == ct.SEP_ID
-        assert gm.token_ids_to_text(out, tokenizer) == s
+        assert ct.token_ids_to_text(out, tokenizer) == s
 
 
 @pytest.mark.parametrize("tie", [True, False])

@@ -180,11 +180,11 @@ def test_saved_directory_loads_with_autotokenizer(tokenizer, tmp_path):
 
 def test_text_token_id_helpers(tokenizer, vid):
     """text_to_token_ids -> (1, T) long tensor of vocab ids; token_ids_to_text accepts (1, T) and (T,)."""
-    ids = gm.text_to_token_ids("你好，世界", tokenizer)
+    ids = ct.text_to_token_ids("你好，世界", tokenizer)
     assert ids.shape == (1, 5) and ids.dtype == torch.long
     assert ids[0].tolist() == vid("你好，世界")
-    assert gm.token_ids_to_text(ids, tokenizer) == "你好，世界"
-    assert gm.token_ids_to_text(ids[0], tokenizer) == "你好，世界"
+    assert ct.token_ids_to_text(ids, tokenizer) == "你好，世界"
+    assert ct.token_ids_to_text(ids[0], tokenizer) == "你好，世界"
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -328,7 +328,7 @@ def test_generate_runs_on_fuzzed_prompts(tokenizer, tiny_model, text):
         torch.set_num_threads(before)
     assert out.shape == (1, prompt.shape[1] + 3)
     assert torch.equal(out[:, : prompt.shape[1]], prompt)
-    assert isinstance(gm.token_ids_to_text(out[0, prompt.shape[1]:], tokenizer), str)
+    assert isinstance(ct.token_ids_to_text(out[0, prompt.shape[1]:], tokenizer), str)
 
 
 def test_special_token_names_typed_in_text_are_plain_text(tokenizer):

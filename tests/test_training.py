@@ -1,0 +1,137 @@
+"""The shared stage plumbing (``training.StageRun``) and the shape of the import graph.
+
+* A non-finite loss on one process of two must stop both with the same one-line error: a check made on one process
+  alone leaves the other waiting forever in the next collective.
+* ``gpt_model.py`` is the ground floor (it imports no module of ours), and no module of the project imports another
+  in a circle, counting imports inside functions too (they hide circles rather than remove them).
+"""
+
+import ast
+import json
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO_ROOT, run_script
+
+# Runs a stage script as __main__ after making the loss NaN on the process of rank 1 only (from its first step).
+# Each process records its exit code and its stderr in rank<N>.json, then waits at a barrier so that neither is
+# killed by the launcher before the other has written (the launcher ends the others once one process fails).
+NAN_ON_RANK_1 = """
+import io, json, os, runpy, sys
+sys.path.insert(0, {repo!r})
+import torch.distributed as dist
+import gpt_model
+
+real_forward = gpt_model.GPTModel.forward
+
+
+def forward(self, *args, **kwargs):
+    out = real_forward(self, *args, **kwargs)
+    if "loss" in out and self.training and os.environ.get("RANK") == "1":
+        out["loss"] = out["loss"] * float("nan")
+    return out
+
+
+class Tee(io.StringIO):
+    def write(self, text):
+        sys.__stderr__.write(text)
+        return super().write(text)
+
+
+gpt_model.GPTModel.forward = forward
+sys.stderr = Tee()
+script, sys.argv = sys.argv[1], sys.argv[1:]
+try:
+    runpy.run_path(script, run_name="__main__")
+    code = 0
+except SystemExit as e:
+    code = e.code
+with open(os.path.join({out!r}, "rank" + os.environ["RANK"] + ".json"), "w") as f:
+    json.dump({{"code": code, "stderr": sys.stderr.getvalue()}}, f)
+if dist.is_initialized():
+    dist.barrier()
+sys.exit(code)
+"""
+
+
+@pytest.mark.slow
+def test_a_nan_loss_on_one_process_stops_every_process_with_one_error(tmp_path, tiny_pretrain_checkpoint):
+    pairs = [{"prompt": f"问题{i}", "response": f"回答{i}。"} for i in range(16)]
+    data = tmp_path / "pairs.jsonl"
+    data.write_text("".join(json.dumps(p, ensure_ascii=False) + "\n" for p in pairs), encoding="utf-8")
+    wrapper = tmp_path / "nan_on_rank_1.py"
+    wrapper.write_text(NAN_ON_RANK_1.format(repo=str(REPO_ROOT), out=str(tmp_path)), encoding="utf-8")
+    try:
+        result = run_script("-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+                            wrapper, REPO_ROOT / "1-SFT.py", "--preset", "tiny", "--init", tiny_pretrain_checkpoint,
+                            "--train_files", data, "--val_files", data, "--output_dir", tmp_path / "sft",
+                            "--max_steps", "4", "--batch_size", "2", timeout=180)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the processes hung after one of them saw a NaN loss")
+    assert result.returncode != 0
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text(encoding="utf-8")) for r in (0, 1)]
+    errors = []
+    for rank in ranks:
+        assert rank["code"] == 2, result.stderr[-3000:]
+        assert "Traceback" not in rank["stderr"]
+        errors.append(rank["stderr"][rank["stderr"].index("error: "):])  # after the progress bar's \r, if any
+        assert errors[-1].startswith("error: the training loss became nan at step 1;")  # one line ...
+        assert errors[-1].count("\n") == 1
+    assert errors[0] == errors[1]  # ... and the same on both processes
+    assert not (tmp_path / "sft").exists()
+
+
+def project_imports(root=REPO_ROOT) -> dict:
+    """{module: set of project modules it imports anywhere in its file} for the top-level .py files."""
+    modules = {p.stem: p for p in root.glob("*.py")}
+    graph = {}
+    for name, path in modules.items():
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                found |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                found.add(node.module.split(".")[0])
+        graph[name] = found & modules.keys() - {name}
+    return graph
+
+
+def find_cycle(graph: dict) -> list | None:
+    """One import circle as a list of modules (first == last), or None; depth-first search."""
+    state, path = {}, []
+
+    def visit(node):
+        state[node] = "open"
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == "open":
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state and (cycle := visit(nxt)):
+                return cycle
+        state[node] = "done"
+        path.pop()
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def test_cycle_finder_by_hand():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"x": {"y"}, "y": {"y2"}, "y2": {"y"}}) == ["y", "y2", "y"]
+
+
+def test_the_model_file_imports_nothing_of_ours():
+    graph = project_imports()
+    assert "gpt_model" in graph and "training" in graph["3-PPO"]  # the graph really was read
+    assert graph["gpt_model"] == set()
+
+
+def test_no_module_imports_another_in_a_circle():
+    assert find_cycle(project_imports()) is None
