@@ -223,21 +223,27 @@ class KVCache:
 
 
 class MultiHeadAttention(nn.Module):
-    """Causal multi-head self-attention with separate query/key/value projections (the seed's names)."""
+    """Causal multi-head self-attention with separate query/key/value projections (the seed's names).
 
-    def __init__(self, d_in, d_out, context_length, dropout, num_heads, qkv_bias=False, cfg: GPTConfig = None):
+    Configured from a ``GPTConfig`` like every other block: ``emb_dim`` in and out, ``n_heads`` heads of
+    ``emb_dim // n_heads``, ``qkv_bias``, ``drop_rate`` on the attention weights, ``attention`` ("sdpa" for
+    PyTorch's fused kernel, "reference" for the written-out ``attention_reference``) and rotary positions when
+    ``position_embedding == "rope"``.
+    """
+
+    def __init__(self, cfg: GPTConfig):
         super().__init__()
-        assert d_out % num_heads == 0, "d_out must be divisible by n_heads"
-        self.d_out = d_out
-        self.num_heads = num_heads
-        self.head_dim = d_out // num_heads
-        self.W_query = nn.Linear(d_in, d_out, bias=qkv_bias)
-        self.W_key = nn.Linear(d_in, d_out, bias=qkv_bias)
-        self.W_value = nn.Linear(d_in, d_out, bias=qkv_bias)
-        self.out_proj = nn.Linear(d_out, d_out)
-        self.dropout = nn.Dropout(dropout)
-        self.use_sdpa = cfg is None or cfg.attention == "sdpa"
-        self.use_rope = cfg is not None and cfg.position_embedding == "rope"
+        assert cfg.emb_dim % cfg.n_heads == 0, "emb_dim must be divisible by n_heads"
+        self.d_out = cfg.emb_dim
+        self.num_heads = cfg.n_heads
+        self.head_dim = cfg.emb_dim // cfg.n_heads
+        self.W_query = nn.Linear(cfg.emb_dim, cfg.emb_dim, bias=cfg.qkv_bias)
+        self.W_key = nn.Linear(cfg.emb_dim, cfg.emb_dim, bias=cfg.qkv_bias)
+        self.W_value = nn.Linear(cfg.emb_dim, cfg.emb_dim, bias=cfg.qkv_bias)
+        self.out_proj = nn.Linear(cfg.emb_dim, cfg.emb_dim)
+        self.dropout = nn.Dropout(cfg.drop_rate)
+        self.use_sdpa = cfg.attention == "sdpa"
+        self.use_rope = cfg.position_embedding == "rope"
 
     def forward(self, x, visible=None, rope=None, cache: KVCache | None = None, layer: int = 0):
         """Attend from each position of x to itself and the positions before it.
@@ -286,9 +292,7 @@ class TransformerBlock(nn.Module):
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
-        self.att = MultiHeadAttention(
-            d_in=cfg.emb_dim, d_out=cfg.emb_dim, context_length=cfg.context_length, dropout=cfg.drop_rate,
-            num_heads=cfg.n_heads, qkv_bias=cfg.qkv_bias, cfg=cfg)
+        self.att = MultiHeadAttention(cfg)
         self.ff = FeedForward(cfg)
         norm = RMSNorm if cfg.norm == "rmsnorm" else LayerNorm
         self.norm1 = norm(cfg.emb_dim, cfg.layer_norm_eps)
