@@ -262,8 +262,9 @@ def main(argv=None):
         load_model(unwrapped.critic, os.path.join(args.output_dir, "state", "critic.safetensors"))
 
     def held_out_score(tag):
-        score, examples = mean_score(unwrapped.policy, reward_model, val_prompts, tokenizer, args, context_length,
-                                     device, args.seed)
+        with accelerator.autocast():  # the precision of the updates, so that scores and KL compare like with like
+            score, examples = mean_score(unwrapped.policy, reward_model, val_prompts, tokenizer, args,
+                                         context_length, device, args.seed)
         stage.print(f"{tag}: mean RM score on {len(val_prompts)} held-out prompts = {score:.3f}")
         return score, examples
 
@@ -276,8 +277,9 @@ def main(argv=None):
     schedule = BatchSchedule(len(prompts), args.rollout_size, 1, accelerator.num_processes, args.seed)
     for step in stage.steps():
         batch_prompts = [prompts[i] for i in schedule.indices(step, 0, accelerator.process_index)]
-        data = rollout(unwrapped.policy, ref, unwrapped.critic, reward_model, batch_prompts, tokenizer, args,
-                       context_length, device)
+        with accelerator.autocast():  # policy, reference, critic and RM alike: KL is exactly 0 before any update
+            data = rollout(unwrapped.policy, ref, unwrapped.critic, reward_model, batch_prompts, tokenizer, args,
+                           context_length, device)
         mask = data["response_mask"]
         beta = stage.extra["kl_coef"]
         rewards = kl_penalised_rewards(data["scores"], data["logprobs"], data["ref_logprobs"], mask, beta)

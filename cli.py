@@ -116,6 +116,10 @@ def stage_parser(description: str, output_dir: str, defaults: dict) -> ArgumentP
     p.add_argument("--eval_every", type=positive_int, help="evaluate every N steps")
     p.add_argument("--eval_examples", type=positive_int, help="validation examples used at each evaluation")
     p.add_argument("--save_every", type=positive_int, help="save a resumable checkpoint every N steps")
+    p.add_argument("--mixed_precision", default="auto", choices=["auto", "no", "bf16", "fp16"],
+                   help="autocast precision of the matmuls: auto keeps what `accelerate launch` was given "
+                        "(--mixed_precision or its config); under plain python it is bf16 where the hardware "
+                        "computes bf16 natively (a GPU with bf16, a CPU with AVX512-BF16 or AMX), else no (fp32)")
     p.add_argument("--tokenizer", default=default_path("data", "tokenizer"), help="tokenizer directory")
     return p
 

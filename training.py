@@ -45,7 +45,8 @@ def make_accelerator(args):
 
     # torchrun-style processes with no GPU: tell Accelerate to join them on the CPU instead of running N copies
     cpu = not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1
-    accelerator = Accelerator(cpu=cpu, gradient_accumulation_steps=args.gradient_accumulation_steps)
+    accelerator = Accelerator(cpu=cpu, gradient_accumulation_steps=args.gradient_accumulation_steps,
+                              mixed_precision=pick_mixed_precision(args.mixed_precision))
     set_seed(args.seed)
     cores = os.cpu_count() or 1
     launched = "ACCELERATE_MIXED_PRECISION" in os.environ  # set by `accelerate launch`
@@ -56,6 +57,28 @@ def make_accelerator(args):
                           f"launch` sets unless given --cpu); launch with --cpu or "
                           f"--num_cpu_threads_per_process {cores}")
     return accelerator
+
+
+def native_bf16() -> bool:
+    """True where bf16 matmuls run natively: a CUDA GPU that supports bf16, or a CPU whose flags include
+    AVX512-BF16 or AMX-BF16 (Linux ``/proc/cpuinfo``; elsewhere False). Without them bf16 is emulated and slower."""
+    if torch.cuda.is_available():
+        return torch.cuda.is_bf16_supported()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return False
+    return "avx512_bf16" in flags or "amx_bf16" in flags
+
+
+def pick_mixed_precision(choice: str) -> str:
+    """``--mixed_precision``: an explicit "no"/"bf16"/"fp16" wins. "auto" keeps what ``accelerate launch`` was
+    given (it always sets ``ACCELERATE_MIXED_PRECISION``, from its flag or its config); a stage run with plain
+    ``python`` gets bf16 where ``native_bf16()``, else "no" (fp32)."""
+    if choice != "auto":
+        return choice
+    return os.environ.get("ACCELERATE_MIXED_PRECISION") or ("bf16" if native_bf16() else "no")
 
 
 def make_optimizer(model: nn.Module, learning_rate: float, weight_decay: float) -> torch.optim.AdamW:
@@ -355,7 +378,8 @@ class StageRun:
 
     @property
     def completed(self) -> bool:
-        return self.step >= self.args.max_steps
+        """True once the last step has run, unless Ctrl-C came at it (then the run is resumed, not finished)."""
+        return self.step >= self.args.max_steps and self.exit_code is None
 
     @property
     def eval_due(self) -> bool:
@@ -367,6 +391,7 @@ class StageRun:
         load_weights_into(self.saved, self.args.output_dir)
         trainer = load_training_state(os.path.join(self.args.output_dir, "state"), self.optimizer, self.accelerator)
         self.step, self.tokens_seen = trainer["step"], trainer.get("tokens_seen", 0)
+        self._tokens_at = self.tokens_seen  # tokens/s counts from here
         self.extra.update({k: trainer[k] for k in self.extra if k in trainer})
         self.metrics = MetricsLog.resume(os.path.join(self.args.output_dir, "metrics.jsonl"), self.step)
         self.accelerator.print(f"resumed at step {self.step}")
@@ -462,8 +487,8 @@ class StageRun:
                 name, keys = self.plot
                 files[name] = lambda path: self.metrics.plot(path, self.stage, keys)
             counters = {"step": self.step, "tokens_seen": self.tokens_seen, **self.extra}
-            meta = {"stage": self.stage, **self.meta, **counters, "metrics": {**self.latest_val(), **self.results},
-                    "command": command_line()}
+            meta = {"stage": self.stage, **self.meta, **counters, "mixed_precision": self.accelerator.mixed_precision,
+                    "metrics": {**self.latest_val(), **self.results}, "command": command_line()}
 
             def write_state(state_dir):
                 save_training_state(state_dir, self.optimizer, counters, rng)

@@ -1,5 +1,6 @@
 """Shared pytest setup: the repository root on ``sys.path``, the ``slow`` marker, and a ``tokenizer`` fixture."""
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -9,6 +10,11 @@ import pytest
 REPO_ROOT = Path(__file__).resolve().parent.parent
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
+
+
+# The tests compare the stages with fp32 oracles and thresholds: run every stage in fp32, as `accelerate launch
+# --mixed_precision no` would (subprocesses inherit it). test_pretrain checks the default (bf16 where native) itself.
+os.environ["ACCELERATE_MIXED_PRECISION"] = "no"
 
 
 def pytest_configure(config):

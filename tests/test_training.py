@@ -135,3 +135,42 @@ def test_the_model_file_imports_nothing_of_ours():
 
 def test_no_module_imports_another_in_a_circle():
     assert find_cycle(project_imports()) is None
+
+
+def test_mixed_precision_choice(monkeypatch):
+    import training
+
+    monkeypatch.setattr(training, "native_bf16", lambda: True)
+    monkeypatch.delenv("ACCELERATE_MIXED_PRECISION", raising=False)
+    assert training.pick_mixed_precision("auto") == "bf16"  # plain python on a CPU with AMX / AVX512-BF16
+    assert training.pick_mixed_precision("no") == "no"  # the flag wins
+    monkeypatch.setattr(training, "native_bf16", lambda: False)
+    assert training.pick_mixed_precision("auto") == "no"  # emulated bf16 would be slower than fp32
+    assert training.pick_mixed_precision("bf16") == "bf16"
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp16")  # what `accelerate launch` was given
+    assert training.pick_mixed_precision("auto") == "fp16"
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "no")
+    monkeypatch.setattr(training, "native_bf16", lambda: True)
+    assert training.pick_mixed_precision("auto") == "no"
+
+
+def test_native_bf16_reads_the_cpu_flags():
+    import training
+
+    flags = next((line for line in open("/proc/cpuinfo", encoding="utf-8") if line.startswith("flags")), "")
+    expected = any(f in flags.split() for f in ("avx512_bf16", "amx_bf16"))
+    assert training.native_bf16() == expected
+
+
+@pytest.mark.slow
+def test_a_plain_run_records_its_precision(tmp_path, tiny_corpus):
+    """Run with plain python (no `accelerate launch`), the stage autocasts to bf16 exactly where the CPU computes
+    bf16 natively, and config.json says which precision was used."""
+    import training
+
+    result = run_script("0-PRETRAIN.py", "--preset", "tiny", "--max_steps", "2", "--eval_every", "2",
+                        "--train_files", tiny_corpus / "train.txt", "--val_files", tiny_corpus / "val.txt",
+                        "--output_dir", tmp_path / "pt", env={"ACCELERATE_MIXED_PRECISION": None})
+    assert result.returncode == 0, result.stderr[-2000:]
+    config = json.loads((tmp_path / "pt" / "config.json").read_text(encoding="utf-8"))
+    assert config["mixed_precision"] == ("bf16" if training.native_bf16() else "no")
