@@ -26,7 +26,7 @@ import torch
 from checkpoint import check_output_dir, load_backbone, load_checkpoint
 from chinese_tokenizer import apply_chat_template, load_tokenizer
 from cli import UserError, default_path, fill_defaults, positive_float, positive_int, run, stage_parser
-from corpus import expand_files, length_grouped_batches, pad_right, read_jsonl, read_lines
+from corpus import expand_files, length_grouped_batches, pad_right, read_jsonl, read_lines, read_preference_pairs
 from gpt_model import RewardModel
 from reward import pair_metrics, pairwise_loss, pointwise_loss, score_texts
 from training import BatchSchedule, StageRun, lr_at, make_accelerator, make_optimizer, set_lr, spread_subset
@@ -44,7 +44,6 @@ DEFAULTS = {
     "uer-gpt2-chinese": dict(max_steps=1500, batch_size=16, learning_rate=1e-5, warmup_steps=100, eval_every=250,
                              eval_examples=1000, max_length=256, head_lr_scale=10.0, save_every=500),
 }
-PAIR_FIELDS = ("prompt", "chosen", "rejected")
 
 
 def parse_args(argv=None):
@@ -86,12 +85,6 @@ def parse_args(argv=None):
 
 # --- data ----------------------------------------------------------------------------------------------------------
 
-def read_pairs(patterns, what: str) -> list[tuple[str, str, str]]:
-    """(prompt, chosen, rejected) triples from jsonl files. Raises ``UserError`` naming the file and line."""
-    return [(r["prompt"], r["chosen"], r["rejected"])
-            for path in expand_files(patterns, what) for r in read_jsonl(path, PAIR_FIELDS)]
-
-
 def read_labelled(patterns, what: str) -> list[tuple[str, str, float]]:
     """(prompt, text, label) rows for the pointwise objective. A file of pairs gives two rows per pair (chosen 1,
     rejected 0); a file of ``{"text", "label"}`` lines (optional "prompt") gives one row per line.
@@ -102,7 +95,7 @@ def read_labelled(patterns, what: str) -> list[tuple[str, str, float]]:
     rows = []
     for path in expand_files(patterns, what):
         if "chosen" in read_jsonl(path, ())[0]:  # the first line tells the file's format
-            for prompt, chosen, rejected in read_pairs(path, what):
+            for prompt, chosen, rejected in read_preference_pairs(path, what):
                 rows += [(prompt, chosen, 1.0), (prompt, rejected, 0.0)]
             continue
         for i, r in enumerate(read_jsonl(path, ("text",)), start=1):
@@ -196,7 +189,7 @@ def main(argv=None):
         return apply_chat_template(prompt, response, tokenizer, args.max_length)
 
     if args.objective == "pairwise":
-        rows = read_pairs(args.train_files, "--train_files")
+        rows = read_preference_pairs(args.train_files, "--train_files")
         encoded = [(encode(p, c), encode(p, r)) for p, c, r in rows]
         train = [(c[0], r[0]) for c, r in encoded]  # (chosen ids, rejected ids)
         truncated = sum(c[2] or r[2] for c, r in encoded)
@@ -207,7 +200,7 @@ def main(argv=None):
         train = [(e[0], label) for e, label in encoded]  # (ids, label)
         truncated = sum(e[2] for e, _ in encoded)
         lengths = [len(ids) for ids, _ in train]
-    val = read_pairs(args.val_files, "--val_files")
+    val = read_preference_pairs(args.val_files, "--val_files")
     val = [val[i] for i in spread_subset(len(val), args.eval_examples)]  # a fixed subset keeps evaluations short
     test_files = expand_files(args.test_files, "--test_files")  # fail now, not after training
     # Reviews run from 10 to 130 tokens: batches of similar lengths waste little compute on padding, and the
@@ -269,7 +262,7 @@ def main(argv=None):
         return stage.finish()
 
     # --- test: pairs no stage has seen ------------------------------------------------------------------------------
-    result = evaluate_pairs(model, read_pairs(test_files, "--test_files"), tokenizer, args, accelerator)
+    result = evaluate_pairs(model, read_preference_pairs(test_files, "--test_files"), tokenizer, args, accelerator)
     stage.metrics.add(step=stage.step, **{f"test_{k}": v for k, v in result.items()})
     stage.results.update({f"test_{k}": round(v, 6) for k, v in result.items()})
     return stage.finish(f"test loss {result['loss']:.3f}, accuracy {result['accuracy']:.1%}, "

@@ -29,6 +29,7 @@ import torch
 import torch.nn as nn
 from safetensors.torch import load_model, save_model
 
+from alignment import token_logprobs
 from checkpoint import check_output_dir, load_backbone, load_checkpoint
 from chinese_tokenizer import EOS_ID, chat_prompt_ids, decode, load_tokenizer
 from cli import UserError, default_path, fill_defaults, non_negative_float, positive_float, positive_int, run, \
@@ -79,11 +80,6 @@ def parse_args(argv=None):
 
 
 # --- the maths of PPO, one function each -----------------------------------------------------------------------
-
-def token_logprobs(logits, tokens):
-    """log softmax(logits)[token]: (B, T, V), (B, T) -> (B, T), in float32."""
-    return torch.log_softmax(logits.float(), dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-
 
 def masked_mean(x, mask):
     """Mean of ``x`` over positions where ``mask`` is 1 (a scalar)."""

@@ -84,6 +84,13 @@ def read_jsonl(path: str, fields: tuple[str, ...]) -> list[dict]:
     return rows
 
 
+def read_preference_pairs(patterns, what: str) -> list[tuple[str, str, str]]:
+    """(prompt, chosen, rejected) triples from the jsonl files matching ``patterns``, in file order (the RM's and
+    DPO's data). Raises ``UserError`` naming the file and line of a row without the three fields."""
+    return [(r["prompt"], r["chosen"], r["rejected"])
+            for path in expand_files(patterns, what) for r in read_jsonl(path, ("prompt", "chosen", "rejected"))]
+
+
 def load_text_documents(patterns, what: str):
     """A ``datasets.Dataset`` with one column ``text``, one row per document, from .txt and .jsonl files.
 

@@ -1,0 +1,202 @@
+"""Stage 3 (DPO) — align the SFT model straight on preference pairs, with no reward model in the loop.
+
+Direct Preference Optimization (Rafailov et al. 2023, "Direct Preference Optimization: Your Language Model is
+Secretly a Reward Model"): the KL-regularised RLHF objective max E[r] - beta KL(pi || pi_ref) has the closed-form
+optimum pi*(y|x) ∝ pi_ref(y|x) exp(r(x, y) / beta), so r(x, y) = beta log(pi*(y|x) / pi_ref(y|x)) + beta log Z(x).
+Put that implicit reward into the Bradley–Terry loss the RM uses and Z(x) cancels between the two answers:
+
+    loss = -log sigmoid(beta * [(log pi(y_c|x) - log pi_ref(y_c|x)) - (log pi(y_r|x) - log pi_ref(y_r|x))])
+
+Story of the stage: arguments → preference pairs (the RM's train/val split; the test split stays unseen) through
+the one chat template → the policy and a frozen reference, both from SFT → the loop (response-only log-probs of
+chosen and rejected answers, the DPO loss, AdamW through Accelerate; implicit-reward accuracy and margin on val
+every ``--eval_every`` steps) → checkpoint (a GPT, like SFT's, that ``generate.py`` reads).
+
+    python 3-DPO.py                 # demo preset: checkpoints/sft + data/rm -> checkpoints/dpo
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn.functional as F
+
+from alignment import sequence_logprobs
+from checkpoint import check_output_dir, load_backbone
+from chinese_tokenizer import apply_chat_template, load_tokenizer
+from cli import UserError, default_path, fill_defaults, positive_float, positive_int, run, stage_parser
+from corpus import chat_example, collate_chat, length_grouped_batches, read_preference_pairs
+from training import BatchSchedule, StageRun, lr_at, make_accelerator, make_optimizer, set_lr, spread_subset
+
+# Run length and optimisation per preset; every value can be overridden on the command line. The model comes from
+# --policy, so the preset only sets how long and how fast to train.
+DEFAULTS = {
+    "tiny": dict(max_steps=10, batch_size=4, learning_rate=1e-4, warmup_steps=2, eval_every=5, eval_examples=16,
+                 max_length=64),
+    "demo": dict(max_steps=150, batch_size=8, learning_rate=1e-4, warmup_steps=10, eval_every=50,
+                 eval_examples=286, max_length=128),
+    "gpt2-zh-small": dict(max_steps=1000, batch_size=16, learning_rate=1e-6, warmup_steps=50, eval_every=200,
+                          eval_examples=1000, max_length=256, save_every=200),
+    "uer-gpt2-chinese": dict(max_steps=1000, batch_size=16, learning_rate=5e-7, warmup_steps=50, eval_every=200,
+                             eval_examples=1000, max_length=256, save_every=200),
+}
+
+
+def parse_args(argv=None):
+    p = stage_parser("Stage 3 (DPO): Direct Preference Optimization of the SFT model on preference pairs.",
+                     default_path("checkpoints", "dpo"), DEFAULTS)
+    p.add_argument("--policy", default=default_path("checkpoints", "sft"),
+                   help="SFT checkpoint: the policy to train and its frozen reference")
+    p.add_argument("--train_files", nargs="+", default=[default_path("data", "rm", "train.jsonl")],
+                   help='.jsonl files or globs of {"prompt","chosen","rejected"} lines (the RM\'s training pairs)')
+    p.add_argument("--val_files", nargs="+", default=[default_path("data", "rm", "val.jsonl")],
+                   help="preference pairs for the implicit-reward accuracy and margin during training")
+    p.add_argument("--beta", type=positive_float, default=0.1,
+                   help="strength of the KL tie to the reference: small lets the policy move far, large keeps it near")
+    p.add_argument("--loss", default="sigmoid", choices=["sigmoid", "ipo"],
+                   help="sigmoid: DPO's -log sigmoid(beta * margin); ipo: (margin - 1/(2 beta))^2 (Azar et al. 2023)")
+    p.add_argument("--max_length", type=positive_int,
+                   help="longest sequence in tokens; a longer pair loses the start of its prompt, then the end of "
+                        "its response")
+    args = p.parse_args(argv)
+    return fill_defaults(args, DEFAULTS[args.preset])
+
+
+# --- the maths of DPO ------------------------------------------------------------------------------------------
+
+def dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta: float, loss_type: str = "sigmoid"):
+    """The DPO loss of a batch of pairs and each answer's implicit reward.
+
+    Args:
+        policy_chosen, policy_rejected, ref_chosen, ref_rejected: (b,) sequence log-probs of the chosen and
+            rejected responses under the policy and the frozen reference (``alignment.sequence_logprobs``).
+        beta: the KL coefficient of the RLHF objective that DPO solves in closed form.
+        loss_type: "sigmoid" (Rafailov et al. 2023) or "ipo" (Azar et al. 2023, which regresses the log-ratio
+            margin to 1 / (2 beta) instead of pushing it to infinity).
+    Returns:
+        (loss scalar, chosen_rewards (b,), rejected_rewards (b,)); a reward is beta * log(pi / pi_ref), in nats.
+    """
+    chosen_rewards = beta * (policy_chosen - ref_chosen)  # (b,)
+    rejected_rewards = beta * (policy_rejected - ref_rejected)  # (b,)
+    margin = (chosen_rewards - rejected_rewards) / beta  # (b,) the log-ratio margin h
+    if loss_type == "sigmoid":
+        losses = -F.logsigmoid(beta * margin)
+    elif loss_type == "ipo":
+        losses = (margin - 1 / (2 * beta)) ** 2
+    else:
+        raise ValueError(f"unknown DPO loss {loss_type!r}; choose sigmoid or ipo")
+    return losses.mean(), chosen_rewards, rejected_rewards
+
+
+def encode_pairs(pairs, tokenizer, max_length: int) -> list[tuple]:
+    """Each (prompt, chosen, rejected) through the chat template: ((inputs, labels) chosen, (inputs, labels)
+    rejected), response-only labels (see ``corpus.chat_example``); the count of pairs that were cut comes second."""
+    encoded, cut = [], 0
+    for prompt, chosen, rejected in pairs:
+        sides = [apply_chat_template(prompt, answer, tokenizer, max_length + 1) for answer in (chosen, rejected)]
+        cut += any(truncated for _, _, truncated in sides)
+        encoded.append(tuple(chat_example(ids, mask) for ids, mask, _ in sides))
+    return encoded, cut
+
+
+def collate_pairs(items) -> dict:
+    """Pairs -> one right-padded (2b, T) batch: the b chosen sequences first, then the b rejected ones."""
+    return collate_chat([chosen for chosen, _ in items] + [rejected for _, rejected in items])
+
+
+def pair_logprobs(model, batch):
+    """(chosen, rejected) response log-probs, each (b,), of a ``collate_pairs`` batch under ``model``."""
+    logits = model(batch["input_ids"], attention_mask=batch["attention_mask"])["logits"]  # (2b, T, V)
+    return sequence_logprobs(logits, batch["labels"]).chunk(2)  # (b,), (b,)
+
+
+@torch.no_grad()
+def evaluate(policy, ref, items, args, accelerator) -> dict:
+    """Mean loss, implicit-reward accuracy (chosen reward > rejected reward) and margin over ``items``, each
+    process taking every ``num_processes``-th pair."""
+    was_training = policy.training
+    policy.eval()
+    totals = torch.zeros(4, device=accelerator.device, dtype=torch.float64)  # loss sum, correct, margin sum, count
+    mine = items[accelerator.process_index::accelerator.num_processes]
+    for start in range(0, len(mine), args.batch_size):
+        batch = {k: v.to(accelerator.device) for k, v in collate_pairs(mine[start:start + args.batch_size]).items()}
+        with accelerator.autocast():
+            loss, chosen, rejected = dpo_loss(*pair_logprobs(policy, batch), *pair_logprobs(ref, batch), args.beta,
+                                              args.loss)
+        totals += torch.stack([loss * len(chosen), (chosen > rejected).sum(), (chosen - rejected).sum(),
+                               torch.tensor(len(chosen))]).to(totals)
+    if accelerator.num_processes > 1:
+        totals = accelerator.reduce(totals, reduction="sum")
+    policy.train(was_training)
+    loss_sum, correct, margin_sum, count = totals.tolist()
+    return {"loss": loss_sum / count, "accuracy": correct / count, "margin": margin_sum / count}
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    accelerator = make_accelerator(args)
+    check_output_dir(args.output_dir, args.overwrite, args.resume)
+    tokenizer = load_tokenizer(args.tokenizer)
+
+    # --- models: the policy and its frozen reference, both the SFT model ------------------------------------------
+    policy, parent = load_backbone(args.policy, "--policy", tokenizer, "1-SFT.py")
+    ref = copy.deepcopy(policy).requires_grad_(False).eval().to(accelerator.device)  # before resume loads the policy
+    if not 4 <= args.max_length <= policy.cfg.context_length:
+        raise UserError(f"--max_length {args.max_length} must be in 4..{policy.cfg.context_length} (the model's "
+                        f"context)")
+
+    # --- data: preference pairs through the chat template, [CLS] prompt [ANS] answer [SEP] ------------------------
+    train, cut = encode_pairs(read_preference_pairs(args.train_files, "--train_files"), tokenizer, args.max_length)
+    val_pairs = read_preference_pairs(args.val_files, "--val_files")
+    val, _ = encode_pairs([val_pairs[i] for i in spread_subset(len(val_pairs), args.eval_examples)], tokenizer,
+                          args.max_length)
+    batches = length_grouped_batches([max(len(c[0]), len(r[0])) for c, r in train], args.batch_size)
+    accelerator.print(f"train: {len(train)} pairs ({cut} cut to {args.max_length} tokens), {len(batches)} batches "
+                      f"of <= {args.batch_size}; val: {len(val)} pairs; beta {args.beta}, {args.loss} loss")
+    schedule = BatchSchedule(len(batches), 1, args.gradient_accumulation_steps, accelerator.num_processes, args.seed)
+
+    # --- optimizer, Accelerate, and the stage's plumbing (which resumes a run given --resume) -------------------
+    optimizer = make_optimizer(policy, args.learning_rate, args.weight_decay)
+    policy, optimizer = accelerator.prepare(policy, optimizer)
+    stage = StageRun("dpo", args, accelerator, policy, optimizer, tokenizer,
+                     {**parent, "beta": args.beta, "loss": args.loss},
+                     plot=("curves.png", ["train_loss", "val_loss", "val_accuracy", "val_margin"]))
+
+    def evaluate_and_print() -> dict:
+        result = {f"val_{k}": v for k, v in evaluate(policy, ref, val, args, accelerator).items()}
+        stage.print(f"step {stage.step}: val loss {result['val_loss']:.3f}, implicit-reward accuracy "
+                    f"{result['val_accuracy']:.1%}, margin {result['val_margin']:.3f}")
+        return result
+
+    # --- the loop ------------------------------------------------------------------------------------------------
+    if stage.step == 0:  # the SFT model itself: policy == reference, so loss log 2, margin 0, no pair won yet
+        stage.log(evaluate_and_print())
+    policy.train()
+    for step in stage.steps():
+        lr = lr_at(step, args.learning_rate, args.warmup_steps, args.max_steps)
+        set_lr(optimizer, lr)
+        step_loss, step_accuracy, tokens = 0.0, 0.0, 0
+        for micro in range(args.gradient_accumulation_steps):
+            items = [train[i] for i in batches[schedule.indices(step, micro, accelerator.process_index)[0]]]
+            batch = {k: v.to(accelerator.device) for k, v in collate_pairs(items).items()}
+            with torch.no_grad(), accelerator.autocast():
+                ref_chosen, ref_rejected = pair_logprobs(ref, batch)  # (b,), (b,)
+            with stage.accumulate():
+                loss, chosen, rejected = dpo_loss(*pair_logprobs(policy, batch), ref_chosen, ref_rejected,
+                                                  args.beta, args.loss)
+                stage.backward(loss)
+            step_loss += loss.item() / args.gradient_accumulation_steps
+            step_accuracy += (chosen > rejected).float().mean().item() / args.gradient_accumulation_steps
+            tokens += int(batch["attention_mask"].sum())
+        row = {"train_loss": stage.end_step(step_loss, tokens), "train_accuracy": step_accuracy, "lr": lr}
+        if stage.eval_due:
+            row.update(evaluate_and_print())
+        stage.log(row, show=("train_loss", "train_accuracy", "lr"))
+    first, last = stage.metrics.rows[0], stage.latest_val()
+    return stage.finish(f"val implicit-reward accuracy {first['val_accuracy']:.1%} -> {last['val_accuracy']:.1%}, "
+                        f"margin {last['val_margin']:.3f}")
+
+
+if __name__ == "__main__":
+    run(main)

@@ -1,0 +1,86 @@
+"""Tests for 3-DPO.py: the DPO loss by hand, response-only sequence log-probs against a loop, and a tiny end-to-end
+run (it learns an easy preference, writes a GPT checkpoint, resumes exactly)."""
+
+import json
+import math
+
+import pytest
+import torch
+
+from alignment import sequence_logprobs
+from checkpoint import load_checkpoint
+from conftest import load_script
+from test_rm import easy_pairs, write_jsonl
+
+DPO = load_script("3-DPO.py")
+
+
+def test_dpo_loss_by_hand():
+    # policy log-probs -1 (chosen), -2 (rejected); reference -1.5 for both; beta 0.5
+    pc, pr, rc, rr = (torch.tensor([v]) for v in (-1.0, -2.0, -1.5, -1.5))
+    loss, chosen, rejected = DPO.dpo_loss(pc, pr, rc, rr, beta=0.5)
+    assert chosen.item() == pytest.approx(0.25) and rejected.item() == pytest.approx(-0.25)  # 0.5 * (+-0.5)
+    assert loss.item() == pytest.approx(math.log(1 + math.exp(-0.5)))  # -log sigmoid(0.5 * margin 1.0)
+    # IPO regresses the margin (1.0) to 1 / (2 beta) = 1.0: no loss left
+    assert DPO.dpo_loss(pc, pr, rc, rr, beta=0.5, loss_type="ipo")[0].item() == pytest.approx(0.0)
+    assert DPO.dpo_loss(pc, pr, rc, rr, beta=0.25, loss_type="ipo")[0].item() == pytest.approx((1.0 - 2.0) ** 2)
+    # policy == reference: every pair ties, the loss is log 2
+    assert DPO.dpo_loss(pc, pr, pc, pr, beta=0.1)[0].item() == pytest.approx(math.log(2))
+
+
+def test_dpo_gradient_raises_chosen_over_rejected():
+    pc, pr = torch.tensor([-3.0], requires_grad=True), torch.tensor([-3.0], requires_grad=True)
+    loss, _, _ = DPO.dpo_loss(pc, pr, torch.tensor([-3.0]), torch.tensor([-3.0]), beta=0.1)
+    loss.backward()
+    # d/dh of -log sigmoid(beta h) at h = 0 is -beta / 2: chosen up, rejected down, equally
+    assert pc.grad.item() == pytest.approx(-0.05) and pr.grad.item() == pytest.approx(0.05)
+
+
+def test_sequence_logprobs_sum_only_the_labelled_positions():
+    torch.manual_seed(0)
+    logits = torch.randn(2, 4, 7)
+    labels = torch.tensor([[-100, 3, 5, -100], [-100, -100, 6, 0]])
+    expected = []
+    for b in range(2):
+        total = 0.0
+        for t in range(4):
+            if labels[b, t] != -100:
+                total += torch.log_softmax(logits[b, t], -1)[labels[b, t]].item()
+        expected.append(total)
+    assert sequence_logprobs(logits, labels).tolist() == pytest.approx(expected, abs=1e-5)
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory):
+    d = tmp_path_factory.mktemp("dpo_data")
+    return {"train": write_jsonl(d / "train.jsonl", easy_pairs(48, 0)), "val": write_jsonl(d / "val.jsonl",
+                                                                                           easy_pairs(16, 1))}
+
+
+def dpo_args(pairs, policy, out, *extra):
+    return ["--preset", "tiny", "--policy", str(policy), "--train_files", pairs["train"], "--val_files",
+            pairs["val"], "--output_dir", str(out), "--max_steps", "8", "--eval_every", "4", *map(str, extra)]
+
+
+@pytest.mark.slow
+def test_dpo_learns_an_easy_preference_and_writes_a_gpt(tmp_path, pairs, tiny_pretrain_checkpoint):
+    out = tmp_path / "dpo"
+    assert DPO.main(dpo_args(pairs, tiny_pretrain_checkpoint, out, "--learning_rate", "1e-3")) == 0
+    config = json.loads((out / "config.json").read_text(encoding="utf-8"))
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text(encoding="utf-8").splitlines()]
+    assert config["stage"] == "dpo" and config["model_type"] == "gpt" and config["beta"] == 0.1
+    assert rows[0]["step"] == 0 and rows[0]["val_loss"] == pytest.approx(math.log(2), abs=1e-4)  # policy == ref
+    assert config["metrics"]["val_accuracy"] > 0.8 and config["metrics"]["val_margin"] > 0
+    assert config["metrics"]["val_loss"] < math.log(2)
+    model, _, _ = load_checkpoint(str(out), "gpt")  # generate.py and the report read it as any language model
+    assert (out / "curves.png").is_file() and not (out / "state").exists()
+
+
+@pytest.mark.slow
+def test_dpo_resume_is_bit_identical(tmp_path, pairs, tiny_pretrain_checkpoint):
+    straight, halves = tmp_path / "straight", tmp_path / "halves"
+    assert DPO.main(dpo_args(pairs, tiny_pretrain_checkpoint, straight)) == 0
+    assert DPO.main(dpo_args(pairs, tiny_pretrain_checkpoint, halves, "--stop_after", "3")) == 0
+    assert (halves / "state").is_dir()
+    assert DPO.main(dpo_args(pairs, tiny_pretrain_checkpoint, halves, "--resume")) == 0
+    assert (straight / "model.safetensors").read_bytes() == (halves / "model.safetensors").read_bytes()
