@@ -125,7 +125,7 @@ def evaluate(policy, ref, items, args, accelerator) -> dict:
             loss, chosen, rejected = dpo_loss(*pair_logprobs(policy, batch), *pair_logprobs(ref, batch), args.beta,
                                               args.loss)
         totals += torch.stack([loss * len(chosen), (chosen > rejected).sum(), (chosen - rejected).sum(),
-                               torch.tensor(len(chosen))]).to(totals)
+                               torch.tensor(len(chosen), device=chosen.device)]).to(totals)
     if accelerator.num_processes > 1:
         totals = accelerator.reduce(totals, reduction="sum")
     policy.train(was_training)

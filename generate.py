@@ -45,7 +45,7 @@ from reward import score_texts
 
 # Where the stages write their checkpoints, latest stage first: the default --checkpoint is the first that exists.
 STAGE_DIRS = [default_path("checkpoints", stage) for stage in ("ppo", "sft", "pretrain")]
-CHAT_STAGES = ("sft", "ppo")  # checkpoints trained on the chat template
+CHAT_STAGES = ("sft", "ppo", "dpo", "grpo")  # checkpoints trained on the chat template
 EXIT_WORDS = ("exit", "quit")
 
 
