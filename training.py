@@ -21,6 +21,7 @@ import math
 import os
 import signal
 import time
+from contextlib import ExitStack
 
 import torch
 import torch.nn as nn
@@ -418,8 +419,6 @@ class StageRun:
 
     def accumulate(self):
         """The context of one micro-batch: gradient accumulation (and DDP's gradient sync) plus autocast."""
-        from contextlib import ExitStack
-
         stack = ExitStack()
         stack.enter_context(self.accelerator.accumulate(self.model))
         stack.enter_context(self.accelerator.autocast())
