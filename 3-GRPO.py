@@ -1,0 +1,222 @@
+"""Stage 3 (GRPO) — align the SFT model against the reward model with group-relative advantages and no critic.
+
+Group Relative Policy Optimization (Shao et al. 2024, "DeepSeekMath", section 4.1): for each prompt sample a
+group of G responses, score each with the RM, and use each response's score relative to its group,
+A_i = (r_i - mean(r)) / std(r), as the advantage of every one of its tokens. The group mean replaces PPO's learned
+value function as the baseline, so there is no critic to train. The loss is PPO's clipped surrogate with that
+advantage plus ``beta`` times a per-token KL estimate to the frozen reference (the "k3" estimator, which is never
+negative), averaged over each response's tokens and then over responses.
+
+Story of the stage: arguments → prompts → the policy and a frozen reference from SFT, the frozen RM → the loop
+(sample G responses per prompt with the KV-cached ``generate``, score them, group advantages, ``--grpo_epochs``
+passes of the clipped objective) → the held-out monitors of SFT and GRPO side by side (RM score, the independent
+judge, KL, length, [SEP] share, repetition; ``judge.py``) and the reward-hacking flag → checkpoint (a GPT).
+
+    python 3-GRPO.py                # demo preset: checkpoints/sft + checkpoints/rm -> checkpoints/grpo
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import torch
+
+from alignment import (ROLLOUT_MONITORS, as_val_row, describe, from_val_row, held_out_monitors, masked_mean,
+                       monitors_of, penalise_unfinished, rollout, rounded, token_logprobs, write_samples)
+from checkpoint import check_output_dir, load_backbone, load_checkpoint
+from chinese_tokenizer import load_tokenizer
+from cli import UserError, default_path, fill_defaults, non_negative_float, positive_float, positive_int, run, \
+    stage_parser
+from corpus import read_jsonl
+from judge import SentimentJudge, reward_hacking_flag
+from training import BatchSchedule, StageRun, lr_at, make_accelerator, make_optimizer, set_lr
+
+# max_steps = iterations; rollout_size = prompts per iteration (each answered group_size times); batch_size =
+# sequences per update micro-batch; eval_samples = samples per held-out prompt for the monitors
+DEFAULTS = {
+    "tiny": dict(max_steps=4, rollout_size=4, group_size=4, batch_size=8, learning_rate=1e-4, warmup_steps=0,
+                 eval_every=2, eval_examples=8, max_new_tokens=16, eval_samples=2),
+    "demo": dict(max_steps=20, rollout_size=4, group_size=8, batch_size=16, learning_rate=5e-5, warmup_steps=2,
+                 eval_every=10, eval_examples=48, max_new_tokens=40, eval_samples=4),
+    "gpt2-zh-small": dict(max_steps=400, rollout_size=16, group_size=8, batch_size=32, learning_rate=1e-6,
+                          warmup_steps=10, eval_every=50, eval_examples=200, max_new_tokens=64, eval_samples=2,
+                          save_every=50),
+    "uer-gpt2-chinese": dict(max_steps=400, rollout_size=16, group_size=8, batch_size=32, learning_rate=1e-6,
+                             warmup_steps=10, eval_every=50, eval_examples=200, max_new_tokens=64, eval_samples=2,
+                             save_every=50),
+}
+KL_LIMIT = 3.0  # nats per response: past it the held-out comparison raises the reward-hacking flag
+
+
+def parse_args(argv=None):
+    p = stage_parser("Stage 3 (GRPO): Group Relative Policy Optimization of the SFT model against the reward model.",
+                     default_path("checkpoints", "grpo"), DEFAULTS)
+    p.add_argument("--policy", default=default_path("checkpoints", "sft"), help="SFT checkpoint: policy and reference")
+    p.add_argument("--reward", default=default_path("checkpoints", "rm"), help="reward model checkpoint (2-RM.py)")
+    p.add_argument("--prompts_file", default=default_path("data", "ppo", "prompts.jsonl"),
+                   help='.jsonl lines with a "prompt": what the policy answers')
+    p.add_argument("--val_prompts_file", default=default_path("data", "ppo", "val_prompts.jsonl"),
+                   help="held-out prompts: the monitors (RM score, judge, KL, ...) before and after GRPO")
+    p.add_argument("--rollout_size", type=positive_int, help="prompts per iteration (per process)")
+    p.add_argument("--group_size", type=positive_int, help="G, responses sampled per prompt (at least 2)")
+    p.add_argument("--max_new_tokens", type=positive_int, help="longest response")
+    p.add_argument("--temperature", type=positive_float, default=1.0, help="sampling temperature")
+    p.add_argument("--grpo_epochs", type=positive_int, default=1,
+                   help="passes over each iteration's samples (1: the ratio is 1 and the clip never acts)")
+    p.add_argument("--kl_coef", type=non_negative_float, default=0.04,
+                   help="beta, the weight of the per-token KL estimate to the reference (0.04 in the paper)")
+    p.add_argument("--cliprange", type=positive_float, default=0.2, help="ratio clip epsilon")
+    p.add_argument("--no_eos_penalty", type=non_negative_float, default=1.0,
+                   help="subtracted from the RM score of a response that reaches --max_new_tokens without [SEP]")
+    p.add_argument("--eval_samples", type=positive_int, help="sampled responses per held-out prompt for the monitors")
+    args = p.parse_args(argv)
+    fill_defaults(args, DEFAULTS[args.preset])
+    if args.group_size < 2:
+        raise UserError(f"--group_size {args.group_size}: a group needs at least 2 responses to compare; "
+                        f"give 2 or more")
+    return args
+
+
+# --- the maths of GRPO, one function each ---------------------------------------------------------------------
+
+def group_advantages(scores, group_size: int, eps: float = 1e-6):
+    """Group-relative advantages (Shao et al. 2024, section 4.1.2): each response's score minus the mean of its
+    group, over the group's standard deviation (unbiased). The G responses to one prompt are G consecutive rows.
+
+    (B,) with B = n * G -> (B,). A group whose responses all score alike gets 0 everywhere: nothing to learn.
+    """
+    grouped = scores.view(-1, group_size)  # (n, G)
+    mean = grouped.mean(dim=1, keepdim=True)  # (n, 1)
+    std = grouped.std(dim=1, keepdim=True)  # (n, 1)
+    return ((grouped - mean) / (std + eps)).view(-1)  # (B,)
+
+
+def kl_k3(logprobs, ref_logprobs):
+    """Per-token estimate of KL(pi || pi_ref) at tokens sampled from pi, the one GRPO uses (Schulman 2020,
+    "Approximating KL divergence", k3): ``exp(ref - logp) - (ref - logp) - 1``. Unbiased, and never negative
+    (x - 1 - log x >= 0 for x = pi_ref / pi), so every token's term pulls towards the reference. (B, R) -> (B, R)."""
+    log_ratio = ref_logprobs - logprobs  # log(pi_ref / pi)
+    return torch.exp(log_ratio) - log_ratio - 1
+
+
+def grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, cliprange: float, beta: float):
+    """The GRPO objective, negated to be minimised (Shao et al. 2024, eq. 3): per token the clipped surrogate with
+    the response's group advantage, minus ``beta`` times the k3 KL to the reference; averaged over each response's
+    real tokens, then over responses.
+
+    Args:
+        logprobs: (B, R) log pi of the sampled tokens under the policy being updated (with gradient).
+        old_logprobs, ref_logprobs: (B, R) the same under the sampling policy and the frozen reference.
+        advantages: (B,) from ``group_advantages``; mask: (B, R) 1 on real response tokens, else 0.
+    Returns:
+        (loss, clip_fraction, kl): the scalar loss, the share of real tokens whose ratio left [1 - eps, 1 + eps],
+        and the mean k3 estimate per token.
+    """
+    ratio = torch.exp(logprobs - old_logprobs)  # (B, R) pi / pi_old
+    a = advantages[:, None]  # (B, 1): one advantage for every token of the response
+    surrogate = torch.minimum(ratio * a, ratio.clamp(1 - cliprange, 1 + cliprange) * a)  # (B, R)
+    kl = kl_k3(logprobs, ref_logprobs)  # (B, R)
+    per_token = -(surrogate - beta * kl) * mask  # (B, R)
+    loss = (per_token.sum(dim=1) / mask.sum(dim=1).clamp(min=1)).mean()
+    clipped = ((ratio - 1).abs() > cliprange).float()
+    return loss, masked_mean(clipped, mask), masked_mean(kl, mask)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    accelerator = make_accelerator(args)
+    check_output_dir(args.output_dir, args.overwrite, args.resume)
+    device = accelerator.device
+    tokenizer = load_tokenizer(args.tokenizer)
+
+    # --- data: prompts to practise on and held-out prompts to measure the change -------------------------------
+    prompts = [r["prompt"] for r in read_jsonl(args.prompts_file, ("prompt",))]
+    val_prompts = [r["prompt"] for r in read_jsonl(args.val_prompts_file, ("prompt",))][:args.eval_examples]
+
+    # --- models: the policy and a frozen reference from SFT, the frozen RM (no critic) ---------------------------
+    policy, parent = load_backbone(args.policy, "--policy", tokenizer, "1-SFT.py")
+    ref = copy.deepcopy(policy).requires_grad_(False).eval().to(device)  # before resume loads the policy
+    reward_model, _, _ = load_checkpoint(args.reward, "reward", expect_vocab_size=policy.cfg.vocab_size)
+    reward_model.requires_grad_(False).to(device)
+    context_length = min(policy.cfg.context_length, reward_model.cfg.context_length)
+    if args.max_new_tokens > context_length - 3:
+        raise UserError(f"--max_new_tokens {args.max_new_tokens} leaves no room for a prompt in a context of "
+                        f"{context_length} (the shorter of policy and reward model); lower it")
+
+    # --- optimizer, Accelerate, and the stage's plumbing (which resumes a run given --resume) -------------------
+    optimizer = make_optimizer(policy, args.learning_rate, args.weight_decay)
+    policy, optimizer = accelerator.prepare(policy, optimizer)
+    policy.eval()  # dropout off: sampling and updates see the same network, and KL is 0 before the first update
+    unwrapped = accelerator.unwrap_model(policy)
+    stage = StageRun("grpo", args, accelerator, policy, optimizer, tokenizer,
+                     {**parent, "reward": os.path.abspath(args.reward), "group_size": args.group_size},
+                     plot=("curves.png", [("score", "val_score"), ("judge", "val_judge"), ("kl", "val_kl"),
+                                          ("length", "val_length"), ("eos_share", "val_eos_share"),
+                                          ("distinct_2", "val_distinct_2"), "clip_fraction", "train_loss"]))
+    judge = SentimentJudge()
+
+    def held_out(tag):
+        with accelerator.autocast():  # the precision of the updates, so that scores and KL compare like with like
+            monitors, examples = held_out_monitors(unwrapped, ref, reward_model, judge, val_prompts, tokenizer,
+                                                   args, context_length, device, args.seed)
+        stage.print(f"{tag} on {len(val_prompts)} held-out prompts x {args.eval_samples}: {describe(monitors)}")
+        return monitors, examples
+
+    if stage.step == 0:  # step 0 of the val_* curves: the SFT policy before any update
+        stage.log(as_val_row(held_out("SFT policy")[0]))
+    sft = from_val_row(stage.metrics.rows[0])
+
+    # --- the loop: a group of samples per prompt, group advantages, the clipped objective ------------------------
+    schedule = BatchSchedule(len(prompts), args.rollout_size, 1, accelerator.num_processes, args.seed)
+    for step in stage.steps():
+        group_prompts = [prompts[i] for i in schedule.indices(step, 0, accelerator.process_index)
+                         for _ in range(args.group_size)]  # each prompt G times, side by side
+        with accelerator.autocast():
+            data = rollout(unwrapped, ref, None, reward_model, group_prompts, tokenizer, args, context_length,
+                           device)
+        mask = data["response_mask"]  # (B, R)
+        scores = penalise_unfinished(data["scores"], data["ended"], args.no_eos_penalty)  # (B,)
+        advantages = group_advantages(scores, args.group_size)  # (B,)
+        monitors = monitors_of([data], judge, tokenizer)[0]
+
+        set_lr(optimizer, lr_at(step, args.learning_rate, args.warmup_steps, args.max_steps))
+        P, n = data["prompt_len"], len(group_prompts)
+        stats = []
+        for epoch in range(args.grpo_epochs):
+            order = torch.randperm(n)
+            for start in range(0, n, args.batch_size):
+                idx = order[start:start + args.batch_size].to(device)
+                with stage.accumulate():
+                    logits = policy(data["input_ids"][idx], attention_mask=data["attention_mask"][idx])["logits"]
+                    logprobs = token_logprobs(logits[:, P - 1:-1], data["input_ids"][idx, P:])  # (b, R)
+                    loss, clip_fraction, kl = grpo_loss(logprobs, data["logprobs"][idx], data["ref_logprobs"][idx],
+                                                        advantages[idx], mask[idx], args.cliprange, args.kl_coef)
+                    stage.backward(loss)
+                stats.append(torch.stack([loss, clip_fraction, kl]).detach())
+        loss, clip_fraction, kl_per_token = torch.stack(stats).mean(0).tolist()
+        row = {"train_loss": stage.end_step(loss, tokens=int(data["attention_mask"].sum())),
+               "score": monitors["rm_score"], **{k: monitors[k] for k in ROLLOUT_MONITORS},
+               "clip_fraction": clip_fraction, "kl_k3_per_token": kl_per_token}
+        if stage.eval_due and not stage.completed:
+            row.update(as_val_row(held_out(f"iteration {stage.step}")[0]))
+        stage.log(row, show=("score", "kl", "judge"))
+    if not stage.completed:
+        return stage.finish()
+
+    # --- SFT and GRPO on held-out prompts, and the reward-hacking flag ----------------------------------------------
+    grpo, examples = held_out("GRPO policy")
+    stage.metrics.rows[-1].update(as_val_row(grpo))
+    flag = reward_hacking_flag(sft, grpo, KL_LIMIT)
+    stage.results.update(val_score_sft=sft["rm_score"], val_score_grpo=grpo["rm_score"],
+                         val_score_gain=grpo["rm_score"] - sft["rm_score"], kl=grpo["kl"], kl_limit=KL_LIMIT,
+                         held_out={"sft": rounded(sft), "grpo": rounded(grpo)}, reward_hacking=flag)
+    stage.files["samples.md"] = lambda path: write_samples(path, examples[::args.eval_samples][:12])
+    if flag:
+        stage.print(flag)
+    return stage.finish(f"held-out RM score {sft['rm_score']:.3f} (SFT) -> {grpo['rm_score']:.3f} (GRPO), "
+                        f"judge {sft['judge']:.3f} -> {grpo['judge']:.3f}, KL {grpo['kl']:.2f} nats/response")
+
+
+if __name__ == "__main__":
+    run(main)
