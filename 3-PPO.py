@@ -11,6 +11,14 @@ from Human Preferences"): each iteration
 4. updates: several epochs of minibatch steps on the clipped policy objective (Schulman et al. 2017) plus the
    clipped value loss.
 
+Against reward hacking (the policy pleasing the RM with text that is not better): the adaptive KL controller
+has a target of a few nats per response and a horizon short enough to reach it within the run, a response that
+runs to ``--max_new_tokens`` without ``[SEP]`` loses ``--no_eos_penalty`` from its score, the PPO epochs of an
+iteration stop early once the policy has moved too far from the one that sampled (``--max_approx_kl``), and the
+held-out evaluation reports, for the SFT and the PPO policy alike, the RM score beside an independent judge, the
+KL to the reference, entropy, length, the share of answers that end and two repetition measures (``judge.py``),
+with a plain "reward hacking suspected" sentence when they disagree.
+
 Models: the policy and a frozen reference copy (both from the SFT checkpoint), the frozen reward model, and a
 separate critic (a ``RewardModel`` initialised from the reward model, as InstructGPT does): a separate critic
 keeps the value loss from pulling on the policy's features, and starting from the RM gives it a sensible value
@@ -29,26 +37,32 @@ import torch
 import torch.nn as nn
 from safetensors.torch import load_model, save_model
 
-from alignment import token_logprobs
+from alignment import (ROLLOUT_MONITORS, as_val_row, describe, from_val_row, held_out_monitors, masked_mean,
+                       monitors_of, penalise_unfinished, rollout, rounded, token_logprobs, write_samples)
 from checkpoint import check_output_dir, load_backbone, load_checkpoint
-from chinese_tokenizer import EOS_ID, chat_prompt_ids, decode, load_tokenizer
+from chinese_tokenizer import load_tokenizer
 from cli import UserError, default_path, fill_defaults, non_negative_float, positive_float, positive_int, run, \
     stage_parser
-from corpus import pad_left, read_jsonl
-from gpt_model import RewardModel, generate, last_real_index
-from training import (BatchSchedule, StageRun, lr_at, make_accelerator, make_optimizer, markdown_table,
+from corpus import read_jsonl
+from gpt_model import RewardModel, last_real_index
+from judge import SentimentJudge, reward_hacking_flag
+from training import (BatchSchedule, StageRun, lr_at, make_accelerator, make_optimizer,
                       mean_over_processes, set_lr)
 
-# max_steps = PPO iterations; batch_size = sequences per update micro-batch; rollout_size = prompts per iteration
+DEFAULT_TARGET_KL = 3.0  # nats per response: the KL controller's target, and the flag's budget when beta is fixed
+# max_steps = PPO iterations; batch_size = sequences per update micro-batch; rollout_size = prompts per iteration;
+# kl_horizon = samples over which the KL controller corrects beta; eval_samples = samples per held-out prompt
 DEFAULTS = {
     "tiny": dict(max_steps=4, rollout_size=8, batch_size=4, learning_rate=1e-4, warmup_steps=0, eval_every=2,
-                 eval_examples=8, max_new_tokens=16),
+                 eval_examples=8, max_new_tokens=16, kl_horizon=32, eval_samples=2),
     "demo": dict(max_steps=20, rollout_size=16, batch_size=8, learning_rate=1e-4, warmup_steps=2, eval_every=10,
-                 eval_examples=48, max_new_tokens=40),
+                 eval_examples=48, max_new_tokens=40, kl_horizon=64, eval_samples=4),
     "gpt2-zh-small": dict(max_steps=400, rollout_size=64, batch_size=16, learning_rate=1e-5, warmup_steps=10,
-                          eval_every=50, eval_examples=200, max_new_tokens=64, save_every=50),
+                          eval_every=50, eval_examples=200, max_new_tokens=64, save_every=50, kl_horizon=2560,
+                          eval_samples=2),
     "uer-gpt2-chinese": dict(max_steps=400, rollout_size=64, batch_size=16, learning_rate=1e-5, warmup_steps=10,
-                             eval_every=50, eval_examples=200, max_new_tokens=64, save_every=50),
+                             eval_every=50, eval_examples=200, max_new_tokens=64, save_every=50, kl_horizon=2560,
+                             eval_samples=2),
 }
 
 
@@ -60,16 +74,25 @@ def parse_args(argv=None):
     p.add_argument("--prompts_file", default=default_path("data", "ppo", "prompts.jsonl"),
                    help='.jsonl lines with a "prompt" (and "split": "train"/"test"): what the policy answers')
     p.add_argument("--val_prompts_file", default=default_path("data", "ppo", "val_prompts.jsonl"),
-                   help="held-out prompts: mean RM score before and after PPO")
+                   help="held-out prompts: the monitors (RM score, judge, KL, ...) before and after PPO")
     p.add_argument("--rollout_size", type=positive_int, help="prompts sampled per iteration (per process)")
     p.add_argument("--max_new_tokens", type=positive_int, help="longest response")
     p.add_argument("--temperature", type=positive_float, default=1.0, help="rollout sampling temperature")
     p.add_argument("--ppo_epochs", type=positive_int, default=4, help="passes over each rollout batch")
     p.add_argument("--kl_coef", type=non_negative_float, default=0.05,
                    help="beta, the weight of the per-token KL penalty, at the start (see --target_kl)")
-    p.add_argument("--target_kl", type=non_negative_float, default=6.0,
-                   help="adaptive KL control (Ziegler et al. 2019): steer beta so the KL per response stays near "
-                        "this many nats; 0 keeps beta fixed")
+    p.add_argument("--target_kl", type=non_negative_float, default=DEFAULT_TARGET_KL,
+                   help="adaptive KL control (Ziegler et al. 2019): steer beta so the KL to the SFT model stays near "
+                        "this many nats per response; past it the reward-hacking flag is raised; 0 keeps beta fixed")
+    p.add_argument("--kl_horizon", type=positive_int,
+                   help="the KL controller's horizon in samples: each iteration beta changes by up to 20%% x "
+                        "rollout samples / horizon (Ziegler et al. used 10000 for runs of a million samples)")
+    p.add_argument("--no_eos_penalty", type=non_negative_float, default=1.0,
+                   help="subtracted from the RM score of a response that reaches --max_new_tokens without [SEP]")
+    p.add_argument("--max_approx_kl", type=non_negative_float, default=0.02,
+                   help="stop an iteration's PPO epochs once the mean approximate KL between the sampling policy and "
+                        "the updated one passes this many nats per token (0: never stop early)")
+    p.add_argument("--eval_samples", type=positive_int, help="sampled responses per held-out prompt for the monitors")
     p.add_argument("--gamma", type=float, default=1.0, help="discount")
     p.add_argument("--lam", type=float, default=0.95, help="GAE lambda")
     p.add_argument("--cliprange", type=positive_float, default=0.2, help="PPO ratio clip epsilon")
@@ -80,10 +103,6 @@ def parse_args(argv=None):
 
 
 # --- the maths of PPO, one function each -----------------------------------------------------------------------
-
-def masked_mean(x, mask):
-    """Mean of ``x`` over positions where ``mask`` is 1 (a scalar)."""
-    return (x * mask).sum() / mask.sum().clamp(min=1)
 
 
 def masked_whiten(x, mask, eps: float = 1e-8):
@@ -132,10 +151,13 @@ def ppo_losses(logprobs, old_logprobs, advantages, values, old_values, returns, 
     return policy_loss, value_loss, clip_fraction, approx_kl
 
 
-def entropy_from_logits(logits):
-    """Entropy of softmax(logits) per position: (B, T, V) -> (B, T), in nats."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    return -(logp.exp() * logp).sum(-1)
+def adaptive_kl_coef(beta: float, kl: float, target: float, samples: int, horizon: int) -> float:
+    """One step of the proportional KL controller of Ziegler et al. (2019): the error
+    ``e = clip(kl / target - 1, -0.2, 0.2)`` moves beta to ``beta * (1 + e * samples / horizon)``. KL above the
+    target raises the penalty, below it lowers it; the horizon (in samples) sets how fast, and the clip keeps one
+    noisy iteration from moving beta by more than ``20% * samples / horizon``."""
+    error = max(-0.2, min(0.2, kl / target - 1))
+    return beta * (1 + error * samples / horizon)
 
 
 class PolicyAndCritic(nn.Module):
@@ -151,69 +173,10 @@ class PolicyAndCritic(nn.Module):
                 "values": self.critic(input_ids, attention_mask)["values"]}
 
 
-def response_mask_after(responses, eos_id: int):
-    """(B, R) generated ids -> 0/1 mask of the real response: every token up to and including the first eos."""
-    is_eos = (responses == eos_id).long()
-    ended_before = is_eos.cumsum(dim=1) - is_eos  # eos tokens strictly before t
-    return (ended_before == 0).long()
-
-
-@torch.no_grad()
-def sample_responses(policy, prompts, tokenizer, args, context_length, device):
-    """Sample one response per prompt from ``policy`` (batched, left-padded prompts, KV cache).
-
-    Returns (sequences (B, P+R), attention_mask (B, P+R), response_mask (B, R), P): the mask covers each
-    response up to and including its first [SEP]; what ``generate`` filled in after it is padding.
-    """
-    room = context_length - args.max_new_tokens  # the prompt keeps its last tokens so the whole sequence fits
-    batch = pad_left([chat_prompt_ids(p, tokenizer, room) for p in prompts])
-    query, query_mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)  # (B, P)
-    sequences = generate(policy, query, args.max_new_tokens, context_length, temperature=args.temperature,
-                         eos_id=EOS_ID, attention_mask=query_mask)  # (B, P + R)
-    P = query.shape[1]
-    response_mask = response_mask_after(sequences[:, P:], EOS_ID)  # (B, R)
-    return sequences, torch.cat([query_mask, response_mask], dim=1), response_mask, P
-
-
-@torch.no_grad()
-def rollout(policy, ref, critic, reward_model, prompts, tokenizer, args, context_length, device):
-    """Sample responses and compute everything PPO needs about them.
-
-    Returns a dict: input_ids, attention_mask (B, P+R); response_mask, logprobs, ref_logprobs, values (B, R);
-    scores (B,); prompt_len P.
-    """
-    sequences, attention_mask, response_mask, P = sample_responses(policy, prompts, tokenizer, args,
-                                                                   context_length, device)
-    responses = sequences[:, P:]  # (B, R)
-    # logits at position t predict token t + 1: response token j is predicted at column P - 1 + j
-    logits = policy(sequences, attention_mask=attention_mask)["logits"][:, P - 1:-1]  # (B, R, V)
-    ref_logits = ref(sequences, attention_mask=attention_mask)["logits"][:, P - 1:-1]  # (B, R, V)
-    return {
-        "input_ids": sequences, "attention_mask": attention_mask, "response_mask": response_mask.float(),
-        "logprobs": token_logprobs(logits, responses), "ref_logprobs": token_logprobs(ref_logits, responses),
-        "values": critic(sequences, attention_mask)["values"][:, P - 1:-1].float(),  # (B, R)
-        "scores": reward_model(sequences, attention_mask)["rewards"].float(),  # (B,)
-        "prompt_len": P,
-    }
-
-
-@torch.no_grad()
-def mean_score(policy, reward_model, prompts, tokenizer, args, context_length, device, seed):
-    """Mean RM score of one sampled response per prompt (fixed seed, so SFT and PPO policies are compared on the
-    same draws of randomness), and every (prompt, response, score)."""
-    scores, examples = [], []
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        for start in range(0, len(prompts), args.rollout_size):
-            batch = prompts[start:start + args.rollout_size]
-            sequences, attention_mask, response_mask, P = sample_responses(policy, batch, tokenizer, args,
-                                                                           context_length, device)
-            batch_scores = reward_model(sequences, attention_mask)["rewards"].float()  # (B,)
-            scores += batch_scores.tolist()
-            for prompt, ids, mask, score in zip(batch, sequences[:, P:], response_mask, batch_scores):
-                examples.append({"prompt": prompt, "response": decode(ids[mask.bool()], tokenizer),
-                                 "score": round(score.item(), 3)})
-    return sum(scores) / len(scores), examples
+# panels of curves.png: a tuple puts the rollouts' value and the held-out one (val_*) in one panel
+CURVES = [("score", "val_score"), ("judge", "val_judge"), ("kl", "val_kl"), "kl_coef", ("entropy", "val_entropy"),
+          ("length", "val_length"), ("eos_share", "val_eos_share"), ("distinct_2", "val_distinct_2"),
+          ("longest_run", "val_longest_run"), ("clip_fraction", "approx_kl"), "ppo_epochs", "value_loss"]
 
 
 def main(argv=None):
@@ -250,24 +213,26 @@ def main(argv=None):
     trained.eval()  # dropout off everywhere: rollouts and updates see the same network
     unwrapped = accelerator.unwrap_model(trained)
     stage = StageRun("ppo", args, accelerator, trained, optimizer, tokenizer,
-                     {**parent, "reward": os.path.abspath(args.reward)},
-                     plot=("curves.png", ["score", "kl", "clip_fraction", "entropy", "value_loss", "val_score"]),
+                     {**parent, "reward": os.path.abspath(args.reward)}, plot=("curves.png", CURVES),
                      saved=unwrapped.policy, extra={"kl_coef": args.kl_coef},
                      write_state=lambda d: save_model(unwrapped.critic, os.path.join(d, "critic.safetensors")))
     if args.resume:
         load_model(unwrapped.critic, os.path.join(args.output_dir, "state", "critic.safetensors"))
+    judge = SentimentJudge()
+    kl_limit = args.target_kl or DEFAULT_TARGET_KL  # the flag's KL budget, also when beta is fixed
 
-    def held_out_score(tag):
+    def held_out(tag):
         with accelerator.autocast():  # the precision of the updates, so that scores and KL compare like with like
-            score, examples = mean_score(unwrapped.policy, reward_model, val_prompts, tokenizer, args,
-                                         context_length, device, args.seed)
-        stage.print(f"{tag}: mean RM score on {len(val_prompts)} held-out prompts = {score:.3f}")
-        return score, examples
+            monitors, examples = held_out_monitors(unwrapped.policy, ref, reward_model, judge, val_prompts,
+                                                   tokenizer, args, context_length, device, args.seed)
+        stage.print(f"{tag} on {len(val_prompts)} held-out prompts x {args.eval_samples}: "
+                    f"{describe(monitors)}")
+        return monitors, examples
 
-    if stage.step == 0:  # step 0 of the val_score curve: the SFT policy before any update
-        sft_score = held_out_score("SFT policy")[0]
-        stage.log({"val_score": sft_score, "val_score_sft": sft_score})
-    sft_score = stage.metrics.rows[0]["val_score_sft"]
+    if stage.step == 0:  # step 0 of the val_* curves: the SFT policy before any update
+        sft = held_out("SFT policy")[0]
+        stage.log({**as_val_row(sft), "val_score_sft": sft["rm_score"]})
+    sft = from_val_row(stage.metrics.rows[0])
 
     # --- the loop: rollouts, advantages, PPO epochs ------------------------------------------------------------
     schedule = BatchSchedule(len(prompts), args.rollout_size, 1, accelerator.num_processes, args.seed)
@@ -278,16 +243,17 @@ def main(argv=None):
                            context_length, device)
         mask = data["response_mask"]
         beta = stage.extra["kl_coef"]
-        rewards = kl_penalised_rewards(data["scores"], data["logprobs"], data["ref_logprobs"], mask, beta)
+        scores = penalise_unfinished(data["scores"], data["ended"], args.no_eos_penalty)
+        rewards = kl_penalised_rewards(scores, data["logprobs"], data["ref_logprobs"], mask, beta)
         advantages, returns = gae(rewards, data["values"], mask, args.gamma, args.lam)
         advantages = masked_whiten(advantages, mask)
-        # mean over every process's rollouts: the KL controller must move beta the same way everywhere
-        score, kl = mean_over_processes(accelerator, [data["scores"].mean().item(), (
-            (data["logprobs"] - data["ref_logprobs"]) * mask).sum(1).mean().item()])
+        # the monitors averaged over every process's rollouts: the KL controller must move beta alike everywhere
+        monitors = monitors_of([data], judge, tokenizer)[0]
+        monitors = dict(zip(monitors, mean_over_processes(accelerator, list(monitors.values()))))
 
         set_lr(optimizer, lr_at(step, args.learning_rate, args.warmup_steps, args.max_steps))
         P, n = data["prompt_len"], len(batch_prompts)
-        stats = []
+        stats = []  # one row per minibatch: policy_loss, value_loss, clip_fraction, approx_kl
         for epoch in range(args.ppo_epochs):
             order = torch.randperm(n)
             for start in range(0, n, args.batch_size):
@@ -301,38 +267,40 @@ def main(argv=None):
                         logprobs, data["logprobs"][idx], advantages[idx], values, data["values"][idx],
                         returns[idx], mask[idx], args.cliprange, args.cliprange_value)
                     stage.backward(policy_loss + args.vf_coef * value_loss)
-                with torch.no_grad():
-                    entropy = masked_mean(entropy_from_logits(logits), mask[idx])
-                stats.append(torch.stack([policy_loss, value_loss, clip_fraction, approx_kl, entropy]).detach())
-        policy_loss, value_loss, clip_fraction, approx_kl, entropy = torch.stack(stats).mean(0).tolist()
+                stats.append(torch.stack([policy_loss, value_loss, clip_fraction, approx_kl]).detach())
+            # early stop: the policy has moved so far from the one that sampled that its rollouts no longer describe it
+            minibatches = -(-n // args.batch_size)  # this epoch's rows of stats
+            epoch_kl = mean_over_processes(accelerator, [torch.stack(stats[-minibatches:])[:, 3].mean().item()])[0]
+            if args.max_approx_kl and epoch_kl > args.max_approx_kl:
+                break
+        policy_loss, value_loss, clip_fraction, approx_kl = torch.stack(stats).mean(0).tolist()
         stage.end_step(policy_loss + value_loss, tokens=int(data["attention_mask"].sum()))
-        if args.target_kl > 0:  # adaptive KL controller of Ziegler et al. (2019), horizon 10000 samples
-            error = max(-0.2, min(0.2, kl / args.target_kl - 1))
-            stage.extra["kl_coef"] = beta * (1 + error * n * accelerator.num_processes / 10000)
-        row = {"score": score, "kl": kl, "kl_coef": stage.extra["kl_coef"], "clip_fraction": clip_fraction,
-               "entropy": entropy, "policy_loss": policy_loss, "value_loss": value_loss, "approx_kl": approx_kl,
-               "response_len": mask.sum(1).mean().item()}
+        if args.target_kl > 0:
+            stage.extra["kl_coef"] = adaptive_kl_coef(beta, monitors["kl"], args.target_kl,
+                                                      n * accelerator.num_processes, args.kl_horizon)
+        row = {"score": monitors["rm_score"], **{k: monitors[k] for k in ROLLOUT_MONITORS},
+               "kl_coef": stage.extra["kl_coef"], "clip_fraction": clip_fraction, "approx_kl": approx_kl,
+               "ppo_epochs": epoch + 1, "policy_loss": policy_loss, "value_loss": value_loss}
         if stage.eval_due and not stage.completed:
-            row["val_score"] = held_out_score(f"iteration {stage.step}")[0]
-        stage.log(row, show=("score", "kl", "clip_fraction"))
+            row.update(as_val_row(held_out(f"iteration {stage.step}")[0]))
+        stage.log(row, show=("score", "kl", "kl_coef"))
     if not stage.completed:
         return stage.finish()
 
-    # --- the gain on held-out prompts -----------------------------------------------------------------------------
-    ppo_score, examples = held_out_score("PPO policy")
-    stage.metrics.rows[-1]["val_score"] = ppo_score
-    stage.results.update(val_score_sft=sft_score, val_score_ppo=ppo_score, val_score_gain=ppo_score - sft_score,
-                         kl=stage.metrics.rows[-1]["kl"])
-    stage.files["samples.md"] = lambda path: write_samples(path, examples[:12])
-    return stage.finish(f"held-out RM score {sft_score:.3f} (SFT) -> {ppo_score:.3f} (PPO), "
-                        f"KL {stage.results['kl']:.2f} nats/response")
-
-
-def write_samples(path, examples):
-    """``samples.md``: the PPO policy's held-out answers with their RM scores."""
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(markdown_table(("prompt", "response", "RM score"),
-                               [(e["prompt"], e["response"], e["score"]) for e in examples]))
+    # --- SFT and PPO on held-out prompts, and the reward-hacking flag -----------------------------------------------
+    ppo, examples = held_out("PPO policy")
+    stage.metrics.rows[-1].update(as_val_row(ppo))
+    flag = reward_hacking_flag(sft, ppo, kl_limit)
+    stage.results.update(val_score_sft=sft["rm_score"], val_score_ppo=ppo["rm_score"],
+                         val_score_gain=ppo["rm_score"] - sft["rm_score"], kl=ppo["kl"], kl_limit=kl_limit,
+                         held_out={"sft": rounded(sft), "ppo": rounded(ppo)}, reward_hacking=flag,
+                         held_out_settings={"prompts": val_prompts, "samples_per_prompt": args.eval_samples,
+                                            "temperature": args.temperature, "max_new_tokens": args.max_new_tokens})
+    stage.files["samples.md"] = lambda path: write_samples(path, examples[::args.eval_samples][:12])
+    if flag:
+        stage.print(flag)
+    return stage.finish(f"held-out RM score {sft['rm_score']:.3f} (SFT) -> {ppo['rm_score']:.3f} (PPO), "
+                        f"judge {sft['judge']:.3f} -> {ppo['judge']:.3f}, KL {ppo['kl']:.2f} nats/response")
 
 
 if __name__ == "__main__":

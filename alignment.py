@@ -1,14 +1,26 @@
-"""What the alignment stages (3-PPO.py, 3-DPO.py, 3-GRPO.py) share about a policy's responses.
+"""What the alignment stages (3-PPO.py, 3-DPO.py, 3-GRPO.py) share about a policy's responses, written once.
 
-* ``token_logprobs``: log pi(token | prefix) of given tokens from the logits, in float32.
-* ``sequence_logprobs``: the sum of those over a response (the labels mark it; -100 elsewhere), as DPO needs.
+* log-probabilities: ``token_logprobs`` of given tokens, ``sequence_logprobs`` of a labelled response (DPO),
+  ``masked_mean``, ``entropy_from_logits``, ``kl_per_response``;
+* sampling: ``sample_responses`` (batched, left-padded prompts through the chat template and the KV-cached
+  ``generate``), ``response_mask_after``, ``rollout`` (the samples with everything an update needs about them),
+  ``penalise_unfinished`` (answers cut off without ``[SEP]``);
+* monitors: ``monitors_of`` and ``held_out_monitors`` (the RM score beside the independent judge, KL, entropy,
+  length, ``[SEP]`` share and repetition, see ``judge.py``), their metrics-row names (``as_val_row``,
+  ``from_val_row``), ``describe`` for the console and ``write_samples`` for samples.md.
 
-It holds maths on tensors only: no model calls, no tokenizer, no Accelerate.
+The stage-specific maths (PPO's GAE and clipped losses, DPO's loss, GRPO's group advantages) stays in each stage.
 """
 
 from __future__ import annotations
 
 import torch
+
+from chinese_tokenizer import EOS_ID, chat_prompt_ids, decode
+from corpus import pad_left
+from gpt_model import generate
+from judge import summarize
+from training import markdown_table
 
 
 def token_logprobs(logits, tokens):
@@ -30,3 +42,152 @@ def sequence_logprobs(logits, labels):
     keep = labels != -100  # (B, T)
     logp = token_logprobs(logits, labels.clamp(min=0))  # (B, T); ignored positions read id 0, then drop out
     return (logp * keep).sum(dim=1)  # (B,)
+
+
+def masked_mean(x, mask):
+    """Mean of ``x`` over positions where ``mask`` is 1 (a scalar)."""
+    return (x * mask).sum() / mask.sum().clamp(min=1)
+
+
+def entropy_from_logits(logits):
+    """Entropy of softmax(logits) per position: (B, T, V) -> (B, T), in nats."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return -(logp.exp() * logp).sum(-1)
+
+
+def kl_per_response(logprobs, ref_logprobs, mask):
+    """KL(pi || pi_ref) of each sampled response, in nats: the sum over its real tokens of log pi(a_t) -
+    log pi_ref(a_t) at the sampled tokens a_t. (B, R) x 3 -> (B,). Averaged over responses sampled from pi it is an
+    unbiased estimate of the KL between the two models' distributions of whole responses; one response's value can
+    be negative."""
+    return ((logprobs - ref_logprobs) * mask).sum(1)
+
+
+def penalise_unfinished(scores, ended, penalty: float):
+    """RM scores (B,) minus ``penalty`` for each response that did not end with [SEP] (``ended`` (B,) bool):
+    an answer cut off by the token limit is not a finished answer, whatever the RM thinks of its first part."""
+    return scores - penalty * (~ended).to(scores.dtype)
+
+
+def response_mask_after(responses, eos_id: int):
+    """(B, R) generated ids -> 0/1 mask of the real response: every token up to and including the first eos."""
+    is_eos = (responses == eos_id).long()
+    ended_before = is_eos.cumsum(dim=1) - is_eos  # eos tokens strictly before t
+    return (ended_before == 0).long()
+
+
+@torch.no_grad()
+def sample_responses(policy, prompts, tokenizer, args, context_length, device):
+    """Sample one response per prompt from ``policy`` (batched, left-padded prompts, KV cache).
+
+    Returns (sequences (B, P+R), attention_mask (B, P+R), response_mask (B, R), P): the mask covers each
+    response up to and including its first [SEP]; what ``generate`` filled in after it is padding.
+    """
+    room = context_length - args.max_new_tokens  # the prompt keeps its last tokens so the whole sequence fits
+    batch = pad_left([chat_prompt_ids(p, tokenizer, room) for p in prompts])
+    query, query_mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)  # (B, P)
+    sequences = generate(policy, query, args.max_new_tokens, context_length, temperature=args.temperature,
+                         eos_id=EOS_ID, attention_mask=query_mask)  # (B, P + R)
+    P = query.shape[1]
+    response_mask = response_mask_after(sequences[:, P:], EOS_ID)  # (B, R)
+    return sequences, torch.cat([query_mask, response_mask], dim=1), response_mask, P
+
+
+@torch.no_grad()
+def rollout(policy, ref, critic, reward_model, prompts, tokenizer, args, context_length, device):
+    """Sample responses and compute everything PPO needs about them.
+
+    Returns a dict: input_ids, attention_mask (B, P+R); response_mask, logprobs, ref_logprobs, entropy, values
+    (B, R; no values when ``critic`` is None); scores (B,) from the RM; ended (B,) bool, whether the response
+    ended with [SEP]; prompt_len P.
+    """
+    sequences, attention_mask, response_mask, P = sample_responses(policy, prompts, tokenizer, args,
+                                                                   context_length, device)
+    responses = sequences[:, P:]  # (B, R)
+    # logits at position t predict token t + 1: response token j is predicted at column P - 1 + j
+    logits = policy(sequences, attention_mask=attention_mask)["logits"][:, P - 1:-1]  # (B, R, V)
+    ref_logits = ref(sequences, attention_mask=attention_mask)["logits"][:, P - 1:-1]  # (B, R, V)
+    data = {
+        "input_ids": sequences, "attention_mask": attention_mask, "response_mask": response_mask.float(),
+        "logprobs": token_logprobs(logits, responses), "ref_logprobs": token_logprobs(ref_logits, responses),
+        "entropy": entropy_from_logits(logits),  # (B, R)
+        "scores": reward_model(sequences, attention_mask)["rewards"].float(),  # (B,)
+        "ended": (responses == EOS_ID).any(dim=1),  # (B,)
+        "prompt_len": P,
+    }
+    if critic is not None:
+        data["values"] = critic(sequences, attention_mask)["values"][:, P - 1:-1].float()  # (B, R)
+    return data
+
+
+def response_token_lists(data) -> list[list[int]]:
+    """Each sampled response's token ids, [SEP] and what follows it removed: what the monitors count."""
+    mask, P = data["response_mask"].bool(), data["prompt_len"]
+    return [row[m & (row != EOS_ID)].tolist() for row, m in zip(data["input_ids"][:, P:], mask)]
+
+
+def monitors_of(batches, judge, tokenizer):
+    """``judge.summarize`` over the responses of one or more ``rollout`` dicts (the RM score is the raw score,
+    before the no-[SEP] penalty; entropy is the mean over all real response tokens). Returns (monitors, texts)."""
+    ids = [r for data in batches for r in response_token_lists(data)]
+    texts = [decode(r, tokenizer) for r in ids]
+    cat = {k: torch.cat([data[k] for data in batches]) for k in ("ended", "scores")}
+    kl = torch.cat([kl_per_response(d["logprobs"], d["ref_logprobs"], d["response_mask"]) for d in batches])
+    entropy = sum((d["entropy"] * d["response_mask"]).sum() for d in batches) / sum(
+        d["response_mask"].sum() for d in batches).clamp(min=1)
+    return summarize(ids, cat["ended"].tolist(), cat["scores"].tolist(), judge(texts), kl.tolist(),
+                     entropy.item()), texts
+
+
+@torch.no_grad()
+def held_out_monitors(policy, ref, reward_model, judge, prompts, tokenizer, args, context_length, device, seed):
+    """The monitors of ``args.eval_samples`` sampled responses per held-out prompt, with a fixed seed (so SFT and
+    PPO policies are compared on the same draws of randomness), and every (prompt, response, RM score) for
+    samples.md. Each batch holds ``rollout_size`` responses, as in training."""
+    flat = [p for p in prompts for _ in range(args.eval_samples)]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        batches = [rollout(policy, ref, None, reward_model, flat[start:start + args.rollout_size], tokenizer, args,
+                           context_length, device) for start in range(0, len(flat), args.rollout_size)]
+    monitors, texts = monitors_of(batches, judge, tokenizer)
+    scores = torch.cat([data["scores"] for data in batches]).tolist()
+    examples = [{"prompt": p, "response": t, "score": round(s, 3)} for p, t, s in zip(flat, texts, scores)]
+    return monitors, examples
+
+
+ROLLOUT_MONITORS = ("judge", "kl", "entropy", "length", "eos_share", "distinct_2", "longest_run")
+
+
+def as_val_row(monitors: dict) -> dict:
+    """Held-out monitors as metrics-row keys: rm_score -> val_score (the curve's old name), x -> val_x."""
+    return {("val_score" + k[len("rm_score"):] if k.startswith("rm_score") else "val_" + k): v
+            for k, v in monitors.items()}
+
+
+def from_val_row(row: dict) -> dict:
+    """The inverse of ``as_val_row`` (the SFT monitors are read back from step 0's row on --resume)."""
+    monitors = {}
+    for k, v in row.items():
+        if k.startswith("val_score") and k != "val_score_sft":
+            monitors["rm_score" + k[len("val_score"):]] = v
+        elif k.startswith("val_") and k != "val_score_sft":
+            monitors[k[len("val_"):]] = v
+    return monitors
+
+
+def rounded(monitors: dict) -> dict:
+    return {k: round(v, 4) for k, v in monitors.items()}
+
+
+def describe(m: dict) -> str:
+    """One line of held-out monitors for the console."""
+    return (f"RM score {m['rm_score']:.3f}, judge {m['judge']:.3f} ± {m['judge_se']:.3f}, KL {m['kl']:.2f}, "
+            f"entropy {m['entropy']:.2f}, length {m['length']:.1f}, ends with [SEP] {m['eos_share']:.0%}, "
+            f"distinct-2 {m['distinct_2']:.3f}, longest run {m['longest_run']:.1f}")
+
+
+def write_samples(path, examples):
+    """``samples.md``: the PPO policy's held-out answers (the first sample of each prompt) with their RM scores."""
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(markdown_table(("prompt", "response", "RM score"),
+                               [(e["prompt"], e["response"], e["score"]) for e in examples]))

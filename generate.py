@@ -26,6 +26,9 @@ filtering and ``--repetition_penalty``. The ``--num_samples`` samples of one pro
 so an answer in a file run is the answer the same prompt gets alone; the interactive session is seeded once, so
 asking again gives a new sample. With ``--reward DIR`` each sample is scored by the reward model on
 ``[CLS] prompt [ANS] response [SEP]`` (the text it was trained on) and the best one is kept (best-of-n).
+``--monitors FILE`` then writes the monitors of the kept answers (``judge.summarize``: RM score, the independent
+judge, distinct-2, longest repeated run, share ending with [SEP], length) and best-of-n's KL to the sampling model,
+``log n - (n - 1) / n``: the no-training baseline that 3-PPO.py's held-out monitors are compared with.
 """
 
 from __future__ import annotations
@@ -73,10 +76,14 @@ def parse_args(argv=None):
     p.add_argument("--num_samples", type=positive_int, default=1,
                    help="samples per prompt (all are printed; with --reward only the best)")
     p.add_argument("--reward", help="reward model checkpoint (from 2-RM.py): keep the best-scoring sample")
+    p.add_argument("--monitors", help="with --prompts_file and --reward: write the monitors of the kept answers "
+                                      "(RM score, judge, distinct-2, ...) to this JSON file")
     p.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
     args = p.parse_args(argv)
     if args.output and not args.prompts_file:
         raise UserError("--output is only used with --prompts_file; drop it or give --prompts_file")
+    if args.monitors and not (args.prompts_file and args.reward):
+        raise UserError("--monitors needs --prompts_file and --reward (it describes the best-of-n answers)")
     return args
 
 
@@ -206,13 +213,16 @@ class TextStream:
             self.written = text
 
 
-def answer(prompt: str, model, tokenizer, chat: bool, args, reward_model=None, out=None) -> list[dict]:
+def answer(prompt: str, model, tokenizer, chat: bool, args, reward_model=None, out=None, kept=None) -> list[dict]:
     """Generate for one prompt. Returns rows ``{"prompt", "response"}``: the best sample with its ``"score"`` when
-    there is a reward model, else one row per sample. With ``out``, a single sample is streamed to it as it grows."""
+    there is a reward model, else one row per sample. With ``out``, a single sample is streamed to it as it grows.
+    With a reward model and a list ``kept``, the best sample's ``{"ids", "ended", "response", "score"}`` is
+    appended to it (for ``--monitors``)."""
     ids = prompt_to_ids(prompt, tokenizer, chat, model.cfg.context_length)
     n = args.num_samples
     stream = TextStream(tokenizer, out) if out is not None and n == 1 and reward_model is None else None
-    responses = [decode(r, tokenizer) for r in sample(model, ids, args, n, stream)]
+    samples = sample(model, ids, args, n, stream)
+    responses = [decode(r, tokenizer) for r in samples]
     if stream is not None:
         stream.flush()
     if reward_model is None:
@@ -221,7 +231,23 @@ def answer(prompt: str, model, tokenizer, chat: bool, args, reward_model=None, o
     best = max(range(n), key=lambda i: scores[i])  # the first of equal scores
     for i, (r, s) in enumerate(zip(responses, scores)):
         log(f"{'*' if i == best else ' '} sample {i + 1}: score {s:+.4f}  {r!r}")
+    if kept is not None:  # shorter than the limit: generation stopped at [SEP]
+        kept.append({"ids": samples[best], "ended": len(samples[best]) < args.max_new_tokens,
+                     "response": responses[best], "score": scores[best]})
     return [{"prompt": prompt, "response": responses[best], "score": scores[best]}]
+
+
+def write_monitors(path: str, kept: list[dict], n: int) -> dict:
+    """``--monitors``: ``judge.summarize`` of the kept best-of-n answers, plus ``best_of_n`` (n) and ``kl_bound``
+    (best-of-n's KL to the sampling model, nats per response). Returns the dict written."""
+    from judge import SentimentJudge, best_of_n_kl, summarize
+
+    monitors = summarize([k["ids"] for k in kept], [k["ended"] for k in kept], [k["score"] for k in kept],
+                         SentimentJudge()([k["response"] for k in kept]))
+    monitors.update(best_of_n=n, kl_bound=best_of_n_kl(n))
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(monitors, f, indent=1)
+    return monitors
 
 
 # --- the three modes -------------------------------------------------------------------------------------------
@@ -294,6 +320,9 @@ def main(argv=None):
         if not args.overwrite:
             raise UserError(f"--output {args.output} already exists; pass --overwrite to replace it or choose "
                             f"another file")
+    if args.monitors and os.path.exists(args.monitors) and not args.overwrite:
+        raise UserError(f"--monitors {args.monitors} already exists; pass --overwrite to replace it or choose "
+                        f"another file")
     if args.temperature == 0 and args.num_samples > 1:
         log(f"note: --temperature 0 is greedy, so the {args.num_samples} samples will be the same")
 
@@ -315,10 +344,11 @@ def main(argv=None):
             out = open(args.output, "w", encoding="utf-8") if args.output else sys.stdout
         except OSError as e:
             raise UserError(f"--output {args.output}: cannot write ({e.strerror}); choose another path") from e
+        kept = [] if args.monitors else None
         try:
             for i, prompt in enumerate(prompts, start=1):
                 torch.manual_seed(args.seed)
-                for row in answer(prompt, model, tokenizer, chat, args, reward_model):
+                for row in answer(prompt, model, tokenizer, chat, args, reward_model, kept=kept):
                     out.write(json.dumps(row, ensure_ascii=False) + "\n")
                 out.flush()
                 log(f"[{i}/{len(prompts)}] done")
@@ -327,6 +357,11 @@ def main(argv=None):
                 out.close()
         if args.output:
             log(f"wrote {args.output}")
+        if args.monitors:
+            m = write_monitors(args.monitors, kept, args.num_samples)
+            log(f"wrote {args.monitors}: best-of-{args.num_samples} RM score {m['rm_score']:.3f}, judge "
+                f"{m['judge']:.3f} ± {m['judge_se']:.3f}, distinct-2 {m['distinct_2']:.3f}, ends with [SEP] "
+                f"{m['eos_share']:.0%}, KL <= {m['kl_bound']:.2f}")
     else:
         interactive(model, tokenizer, chat, args, reward_model)
     return 0

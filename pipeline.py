@@ -6,7 +6,9 @@
 
 Each stage is the same command a user would type (printed before it runs), so the report card's run can be
 repeated stage by stage. ``reports/report.md`` gets, per stage, the wall time, tokens/s and final metrics, the
-curves, and a table of the same prompts answered by the pretrain, SFT and PPO models with their RM scores.
+curves, SFT, best-of-n and PPO side by side on PPO's held-out prompts (RM score, the independent judge, KL,
+repetition, answers that end; with the reward-hacking flag), and a table of the same prompts answered by the
+pretrain, SFT and PPO models with their RM scores.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ STAGES = [("pretrain", "0-PRETRAIN.py"), ("sft", "1-SFT.py"), ("rm", "2-RM.py"),
 # prompts answered by every model in the report: two review-writing tasks, a 歇后语, a definition, free text
 REPORT_PROMPTS = ["写一条好评：", "写一条以“房间”开头的好评。", "歇后语：外甥打灯笼", "请解释一下“明月”这个词。",
                   "今天天气很好，"]
+BEST_OF_N = 4  # best-of-n from the SFT model: the no-training baseline in the held-out table
 
 
 def parse_args(argv=None):
@@ -115,17 +118,66 @@ def main(argv=None):
             "--overwrite"],  # the answers belong to this run's models: replace an earlier run's
             started)
         answers[stage] = read_rows(out)
+    best_of_n = run_best_of_n(args, py, total, started)
     times["generate"] = time.time() - t0
 
     print(f"\n=== [{total}/{total}] report card ===", flush=True)
-    report = write_report(args, times, answers)
+    report = write_report(args, times, answers, best_of_n)
     print(report)
     print(f"\nwritten to {os.path.join(args.report_dir, 'report.md')} (total {(time.time() - started) / 60:.1f} min)")
     return 0
 
 
-def write_report(args, times, answers) -> str:
-    """reports/report.md: stage table, curves, answers table. Returns the markdown."""
+def run_best_of_n(args, py, total, started) -> dict | None:
+    """Best-of-n from the SFT model on the held-out prompts PPO was measured on, sampled as 3-PPO.py samples them
+    (its ``held_out_settings``); returns ``generate.py --monitors``' dict (None if PPO recorded no settings)."""
+    settings = read_json(os.path.join(ROOT, CHECKPOINTS["ppo"], "config.json")).get("metrics", {}).get(
+        "held_out_settings")
+    if not settings:
+        return None
+    prompts_file = os.path.join(args.report_dir, "held-out-prompts.txt")
+    with open(prompts_file, "w", encoding="utf-8") as f:
+        f.write("\n".join(settings["prompts"]) + "\n")
+    monitors = os.path.join(args.report_dir, f"best-of-{BEST_OF_N}.json")
+    step(len(STAGES) + 2, total, f"generate.py best-of-{BEST_OF_N} from the SFT model on PPO's held-out prompts", py + [
+        "generate.py", "--checkpoint", CHECKPOINTS["sft"], "--prompts_file", prompts_file,
+        "--output", os.path.join(args.report_dir, f"answers-best-of-{BEST_OF_N}.jsonl"), "--reward", CHECKPOINTS["rm"],
+        "--num_samples", str(BEST_OF_N), "--temperature", str(settings["temperature"]), "--top_k", "0",
+        "--max_new_tokens", str(settings["max_new_tokens"]), "--monitors", monitors, "--overwrite"], started)
+    return read_json(monitors)
+
+
+def held_out_section(ppo_metrics: dict, best_of_n: dict | None = None) -> list[str]:
+    """Markdown lines: SFT, best-of-n and PPO on PPO's held-out prompts (3-PPO.py's final monitors and
+    ``generate.py --monitors``), then the reward-hacking flag. Nothing if the PPO checkpoint has no monitors."""
+    held = ppo_metrics.get("held_out")
+    if not held:
+        return []
+    settings = ppo_metrics.get("held_out_settings", {})
+    models = [("SFT", held["sft"], f"{held['sft']['kl']:.2f}")]
+    if best_of_n:
+        models.append((f"best-of-{best_of_n['best_of_n']} (SFT + RM)", best_of_n, f"≤ {best_of_n['kl_bound']:.2f}"))
+    models.append(("PPO", held["ppo"], f"{held['ppo']['kl']:.2f} ± {held['ppo']['kl_se']:.2f}"))
+    lines = ["## SFT, best-of-n and PPO on held-out prompts", "",
+             f"{len(settings.get('prompts', []))} prompts × {settings.get('samples_per_prompt', '?')} samples "
+             f"(best-of-n: 1 kept of {best_of_n['best_of_n'] if best_of_n else 'n'}) at temperature "
+             f"{settings.get('temperature', '?')}, up to {settings.get('max_new_tokens', '?')} tokens. Judge: "
+             f"snownlp's sentiment naive Bayes, P(positive), mean ± standard error (see notes/judge.md for what it "
+             f"cannot tell). KL to SFT in nats per response.", "",
+             "| model | RM score | judge | KL | distinct-2 | longest run | ends with [SEP] | mean length |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name, m, kl in models:
+        lines.append(f"| {name} | {m['rm_score']:.3f} ± {m['rm_score_se']:.3f} | {m['judge']:.3f} ± "
+                     f"{m['judge_se']:.3f} | {kl} | {m['distinct_2']:.3f} | {m['longest_run']:.1f} | "
+                     f"{m['eos_share']:.0%} | {m['length']:.1f} |")
+    flag = ppo_metrics.get("reward_hacking")
+    lines += ["", f"**{flag}**" if flag else f"No sign of reward hacking in these monitors (RM up with the judge down, "
+              f"repetition collapsing, KL past {ppo_metrics.get('kl_limit', '?')} nats).", ""]
+    return lines
+
+
+def write_report(args, times, answers, best_of_n=None) -> str:
+    """reports/report.md: stage table, held-out comparison, curves, answers table. Returns the markdown."""
     configs = {stage: read_json(os.path.join(ROOT, d, "config.json")) for stage, d in CHECKPOINTS.items()}
     rows = {stage: read_rows(os.path.join(ROOT, d, "metrics.jsonl")) for stage, d in CHECKPOINTS.items()}
     m = {stage: configs[stage].get("metrics", {}) for stage in CHECKPOINTS}
@@ -150,8 +202,8 @@ def write_report(args, times, answers) -> str:
              f"| 3-PPO | {times['ppo']:.0f} s | — | held-out RM score {fmt(m['ppo'].get('val_score_sft'))} (SFT) → "
              f"{fmt(m['ppo'].get('val_score_ppo'))} (PPO), gain {fmt(m['ppo'].get('val_score_gain'), '+.3f')}, "
              f"KL {fmt(m['ppo'].get('kl'), '.2f')} nats/response |",
-             f"| generation | {times['generate']:.0f} s | — | 3 models × {len(REPORT_PROMPTS)} prompts |", "",
-             "## Curves", ""]
+             f"| generation | {times['generate']:.0f} s | — | 3 models × {len(REPORT_PROMPTS)} prompts |", ""]
+    lines += held_out_section(m["ppo"], best_of_n) + ["## Curves", ""]
     for stage, d in CHECKPOINTS.items():
         for name in sorted(os.listdir(os.path.join(ROOT, d))):
             if name.endswith(".png"):

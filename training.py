@@ -264,7 +264,9 @@ class MetricsLog:
                 f.write(json.dumps(row, ensure_ascii=False) + "\n")
 
     def plot(self, path: str, title: str, keys=None) -> None:
-        """One panel per metric (x = step), saved as PNG. ``keys`` defaults to every numeric field but step."""
+        """One panel per metric (x = step), up to four panels a row, saved as PNG. ``keys`` defaults to every
+        numeric field but step; a tuple of keys draws those series in one panel (e.g. a training and a held-out
+        value of the same quantity)."""
         import matplotlib
 
         matplotlib.use("Agg")
@@ -272,16 +274,26 @@ class MetricsLog:
 
         keys = keys or sorted({k for r in self.rows for k, v in r.items()
                                if isinstance(v, (int, float)) and k not in ("step", "tokens_seen", "lr", "time_s")})
-        keys = [k for k in keys if any(k in r for r in self.rows)]
-        if not keys:
+        panels = [[k for k in ((key,) if isinstance(key, str) else key) if any(k in r for r in self.rows)]
+                  for key in keys]
+        panels = [p for p in panels if p]
+        if not panels:
             return
-        fig, axes = plt.subplots(1, len(keys), figsize=(4 * len(keys), 3.2), squeeze=False)
-        for ax, key in zip(axes[0], keys):
-            points = [(r["step"], r[key]) for r in self.rows if key in r and r[key] is not None]
-            ax.plot([p[0] for p in points], [p[1] for p in points], marker="." if len(points) < 40 else None)
-            ax.set_title(key)
+        cols = min(4, len(panels))
+        rows = -(-len(panels) // cols)
+        fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 3.2 * rows), squeeze=False)
+        for ax, series in zip(axes.flat, panels):
+            for key in series:
+                points = [(r["step"], r[key]) for r in self.rows if key in r and r[key] is not None]
+                ax.plot([p[0] for p in points], [p[1] for p in points], marker="." if len(points) < 40 else None,
+                        label=key)
+            ax.set_title(" / ".join(series))
             ax.set_xlabel("step")
             ax.grid(alpha=0.3)
+            if len(series) > 1:
+                ax.legend(fontsize="small")
+        for ax in list(axes.flat)[len(panels):]:
+            ax.axis("off")
         fig.suptitle(title)
         fig.tight_layout()
         fig.savefig(path, dpi=100)

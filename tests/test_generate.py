@@ -6,6 +6,7 @@ window through the model at every step (no KV cache), and a reward model called 
 
 import io
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -177,6 +178,25 @@ def test_reward_returns_the_best_scoring_sample(capsys, tmp_path, ckpts, tokeniz
     # --prompt prints the best answer alone on stdout
     _, out, _ = cli(capsys, *args[:2], "--prompt", PROMPT, *args[4:], "--reward", ckpts["rm"])
     assert out == samples[best] + "\n"
+
+
+def test_best_of_n_monitors(capsys, tmp_path, ckpts):
+    """--monitors summarises the kept answers: their mean RM score, the judge, and best-of-n's KL bound."""
+    pytest.importorskip("snownlp")
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("写一条好评：\n今天天气\n", encoding="utf-8")
+    answers, monitors = tmp_path / "answers.jsonl", tmp_path / "monitors.json"
+    code, _, err = cli(capsys, "--checkpoint", ckpts["sft"], "--prompts_file", prompts, "--output", answers,
+                       "--reward", ckpts["rm"], "--num_samples", 4, "--temperature", 1.0, "--max_new_tokens", 6,
+                       "--monitors", monitors)
+    assert code == 0, err
+    rows = [json.loads(line) for line in answers.read_text(encoding="utf-8").splitlines()]
+    m = json.loads(monitors.read_text(encoding="utf-8"))
+    assert m["rm_score"] == pytest.approx(sum(r["score"] for r in rows) / 2)
+    assert m["best_of_n"] == 4 and m["kl_bound"] == pytest.approx(math.log(4) - 3 / 4)
+    assert 0 <= m["judge"] <= 1 and 0 <= m["eos_share"] <= 1 and 0 < m["length"] <= 6
+    code, _, err = cli(capsys, "--checkpoint", ckpts["sft"], "--prompt", "x", "--monitors", monitors)
+    assert code == 2 and "--monitors needs --prompts_file and --reward" in err
 
 
 def test_prompts_file_text_and_jsonl(capsys, tmp_path, ckpts, policy, tokenizer):

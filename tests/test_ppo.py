@@ -8,6 +8,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import alignment
 from checkpoint import load_checkpoint, save_checkpoint
 from conftest import load_script, run_script
 from gpt_model import GPTModel, RewardModel, get_preset
@@ -64,7 +65,7 @@ def test_reward_sits_on_the_last_real_response_token():
 
 def test_response_mask_stops_after_the_first_eos():
     responses = torch.tensor([[7, 102, 102, 102], [7, 8, 9, 10], [102, 102, 102, 102]])
-    assert ppo.response_mask_after(responses, 102).tolist() == [[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]]
+    assert alignment.response_mask_after(responses, 102).tolist() == [[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]]
 
 
 def test_ppo_losses_by_hand():
@@ -82,8 +83,55 @@ def test_ppo_losses_by_hand():
     assert approx_kl.item() == pytest.approx(0.5 * 0.25 / 2)
 
 
+def test_kl_per_response_sums_the_log_ratio_over_real_tokens():
+    """Row 0: (-1 + 1.5) + (-2 + 2) = 0.5, its padded third token ignored; row 1: 1 + 0 - 0.5 = 0.5."""
+    logp = torch.tensor([[-1.0, -2.0, -3.0], [-1.0, -1.0, -1.0]])
+    ref = torch.tensor([[-1.5, -2.0, -9.0], [-2.0, -1.0, -0.5]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    assert torch.allclose(alignment.kl_per_response(logp, ref, mask), torch.tensor([0.5, 0.5]))
+
+
+@pytest.mark.parametrize("kl, expected", [
+    (6.0, 0.1 * (1 + 0.2 * 16 / 64)),  # error 6/3 - 1 = 1, clipped to 0.2: beta x 1.05
+    (2.7, 0.1 * (1 - 0.1 * 16 / 64)),  # error -0.1: beta x 0.975
+    (3.0, 0.1),  # on target: unchanged
+    (0.0, 0.1 * (1 - 0.2 * 16 / 64)),  # error -1, clipped to -0.2: beta x 0.95
+])
+def test_kl_controller_update_by_hand(kl, expected):
+    assert ppo.adaptive_kl_coef(0.1, kl, target=3.0, samples=16, horizon=64) == pytest.approx(expected)
+
+
+def test_kl_controller_with_ziegler_horizon_barely_moves():
+    """The old setting (horizon 10000, 16 samples an iteration): 20 iterations at twice the target raise beta by
+    only 0.6%; the demo's horizon of 64 raises it by 2.6x."""
+    slow = fast = 0.05
+    for _ in range(20):
+        slow = ppo.adaptive_kl_coef(slow, 6.0, 3.0, 16, 10000)
+        fast = ppo.adaptive_kl_coef(fast, 6.0, 3.0, 16, 64)
+    assert slow / 0.05 == pytest.approx(1.00032 ** 20) and fast / 0.05 == pytest.approx(1.05 ** 20)
+
+
+def test_unfinished_responses_lose_the_penalty():
+    scores, ended = torch.tensor([1.0, 2.0, -1.0]), torch.tensor([True, False, False])
+    assert alignment.penalise_unfinished(scores, ended, 0.5).tolist() == [1.0, 1.5, -1.5]
+
+
+def test_response_token_lists_drop_prompt_sep_and_padding():
+    """Prompt of P = 2; row 0 ends with [SEP] (102) then padding, row 1 runs to the limit."""
+    data = {"input_ids": torch.tensor([[0, 9, 5, 6, 102, 102], [9, 9, 7, 7, 7, 7]]), "prompt_len": 2,
+            "response_mask": alignment.response_mask_after(torch.tensor([[5, 6, 102, 102], [7, 7, 7, 7]]), 102).float()}
+    assert alignment.response_token_lists(data) == [[5, 6], [7, 7, 7, 7]]
+
+
+def test_val_row_keys_round_trip():
+    monitors = {"rm_score": 1.0, "rm_score_se": 0.1, "judge": 0.6, "judge_se": 0.01, "kl": 2.0, "distinct_2": 0.9}
+    row = alignment.as_val_row(monitors)
+    assert row["val_score"] == 1.0 and row["val_score_se"] == 0.1 and row["val_judge"] == 0.6
+    assert alignment.from_val_row({**row, "val_score_sft": 1.0, "step": 0, "score": 5.0}) == monitors
+
+
 def test_entropy_of_a_uniform_distribution_is_log_v():
-    assert ppo.entropy_from_logits(torch.zeros(1, 1, 8)).item() == pytest.approx(torch.log(torch.tensor(8.0)).item())
+    assert alignment.entropy_from_logits(torch.zeros(1, 1, 8)).item() == pytest.approx(torch.log(torch.tensor(8.0)).item())
 
 
 def tiny_models(seed=0):
@@ -101,13 +149,16 @@ def test_kl_is_zero_and_ratio_is_one_before_the_first_update(tokenizer):
     critic = copy.deepcopy(reward)
     args = types.SimpleNamespace(max_new_tokens=6, temperature=1.0)
     torch.manual_seed(3)
-    data = ppo.rollout(policy, ref, critic, reward, ["写一条好评：", "你好", "解释词语：明月"], tokenizer, args,
+    data = alignment.rollout(policy, ref, critic, reward, ["写一条好评：", "你好", "解释词语：明月"], tokenizer, args,
                        64, "cpu")
     assert torch.equal(data["logprobs"], data["ref_logprobs"])
+    assert torch.equal(alignment.kl_per_response(data["logprobs"], data["ref_logprobs"], data["response_mask"]),
+                       torch.zeros(3))
+    assert data["ended"].tolist() == [bool((r == 102).any()) for r in data["input_ids"][:, data["prompt_len"]:]]
     P = data["prompt_len"]
     with torch.no_grad():
         out = ppo.PolicyAndCritic(policy, critic).eval()(data["input_ids"], data["attention_mask"])
-    new_logp = ppo.token_logprobs(out["logits"][:, P - 1:-1], data["input_ids"][:, P:])
+    new_logp = alignment.token_logprobs(out["logits"][:, P - 1:-1], data["input_ids"][:, P:])
     assert torch.equal(torch.exp(new_logp - data["logprobs"]), torch.ones_like(new_logp))
     assert torch.equal(out["values"][:, P - 1:-1], data["values"])
 
@@ -116,7 +167,7 @@ def test_rollout_scores_each_response_like_the_reward_model_alone(tokenizer):
     """The batched, left-padded rollout scores each row exactly as the RM scores that sequence on its own."""
     policy, ref, reward = tiny_models(1)
     args = types.SimpleNamespace(max_new_tokens=5, temperature=1.0)
-    data = ppo.rollout(policy, ref, reward, reward, ["短", "一个长一点的提示"], tokenizer, args, 64, "cpu")
+    data = alignment.rollout(policy, ref, reward, reward, ["短", "一个长一点的提示"], tokenizer, args, 64, "cpu")
     for row in range(2):
         real = data["attention_mask"][row].bool()
         alone = reward(data["input_ids"][row][real][None])["rewards"]
@@ -159,13 +210,43 @@ def test_ppo_script_runs_and_resumes_exactly(tmp_path, ppo_parents):
     assert all(torch.equal(a[k], b[k]) for k in a)
     config = json.loads((straight / "config.json").read_text(encoding="utf-8"))
     assert config["stage"] == "ppo" and config["model_type"] == "gpt"
-    assert set(config["metrics"]) >= {"val_score_sft", "val_score_ppo", "val_score_gain", "kl"}
+    assert set(config["metrics"]) >= {"val_score_sft", "val_score_ppo", "val_score_gain", "kl", "held_out",
+                                      "reward_hacking"}
+    held_out = config["metrics"]["held_out"]
+    assert set(held_out["sft"]) == set(held_out["ppo"]) >= {"rm_score", "judge", "judge_se", "kl", "entropy",
+                                                            "length", "eos_share", "distinct_2", "longest_run"}
+    assert held_out["sft"]["kl"] == 0.0  # the SFT policy is its own reference
     rows = [json.loads(r) for r in (straight / "metrics.jsonl").read_text().splitlines()]
     baseline = config["metrics"]["val_score_sft"]
     assert rows[0]["step"] == 0 and rows[0]["val_score"] == pytest.approx(baseline, abs=1e-5)  # the curve's start
     assert rows[1]["kl"] == 0.0  # the first rollout comes from the untouched policy
-    assert {"score", "kl", "clip_fraction", "entropy", "value_loss"} <= set(rows[-1])
+    assert {"score", "judge", "kl", "kl_coef", "clip_fraction", "entropy", "value_loss", "length", "eos_share",
+            "distinct_2", "longest_run", "val_judge", "val_kl"} <= set(rows[-1])
+    assert {"val_judge", "val_distinct_2", "val_eos_share"} <= set(rows[0])
     assert (straight / "curves.png").exists() and (straight / "samples.md").exists()
+
+
+@pytest.mark.slow
+def test_flag_fires_on_a_deliberately_hacked_run(tmp_path, ppo_parents):
+    """No KL penalty and no controller, no ratio clip, no early stop, a learning rate 100x the tiny preset's: the
+    policy runs away from SFT and config.json says so in one sentence beside the held-out monitors of both.
+
+    What a tiny run can show: its "SFT" policy is nearly uniform (entropy ~9.9 nats, about log V), so in 6
+    iterations the KL shoots past the budget (~40 nats per response) while repetition does not collapse and the
+    judge's fall on 16 samples stays within its noise; those rules are tested on constructed monitors in
+    test_judge.py."""
+    out = tmp_path / "hacked"
+    result = run_ppo(out, ppo_parents, "--kl_coef", "0", "--target_kl", "0", "--cliprange", "100",
+                     "--max_approx_kl", "0", "--learning_rate", "1e-2", "--ppo_epochs", "8", "--max_steps", "6",
+                     "--eval_every", "6")
+    assert result.returncode == 0, result.stderr[-2000:]
+    metrics = json.loads((out / "config.json").read_text(encoding="utf-8"))["metrics"]
+    flag = metrics["reward_hacking"]
+    assert flag.startswith("reward hacking suspected: ") and "past the limit of 3" in flag, flag
+    assert flag in result.stdout
+    sft, hacked = metrics["held_out"]["sft"], metrics["held_out"]["ppo"]
+    assert sft["kl"] == 0.0 and hacked["kl"] > 3.0 and metrics["kl"] == pytest.approx(hacked["kl"], abs=1e-4)
+    assert hacked["entropy"] < sft["entropy"]
 
 
 def test_missing_reward_model_is_a_one_line_error(tmp_path, ppo_parents):
