@@ -1,0 +1,130 @@
+"""Counting baselines: what plain counting gets on the stages' own splits, so a learned figure can be read
+against it.
+
+* ``BigramLM``: an interpolated Kneser–Ney token bigram (Kneser & Ney 1995; the interpolated form of Chen &
+  Goodman 1998, section 3), fitted on a token stream. ``cross_entropy(tokens, block_len, blocks)`` scores exactly the
+  predictions that ``corpus.PackedBlocks`` makes the model train and evaluate on: block ``i`` predicts
+  ``tokens[iL + t + 1]`` from what comes before it, for t in 0..L-1, so a bigram predicts it from ``tokens[iL + t]``.
+* ``unigram_cross_entropy``: the add-one unigram on the same predictions (the loss a model has when it has learned
+  token frequencies and nothing else).
+* ``NaiveBayes``: a multinomial naive Bayes over character unigrams and bigrams with add-alpha smoothing (the
+  text-classification baseline of McCallum & Nigam 1998), and ``pair_accuracy``: the share of (chosen, rejected)
+  pairs whose chosen text gets the higher log-odds of being good.
+
+Plain numpy and Python counting; nothing is tuned on the split that is scored.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+import numpy as np
+
+
+def block_predictions(tokens, block_len: int, blocks=None):
+    """The (context, target) token pairs that ``PackedBlocks(tokens, block_len)`` blocks ``blocks`` predict.
+
+    Args:
+        tokens: (N,) token ids, documents already joined with ``[SEP]`` (``PackedBlocks.tokens``).
+        block_len: L, predictions per block.
+        blocks: block indices (default: every whole block, ``range((N - 1) // L)``).
+    Returns:
+        (previous, target): two (len(blocks) * L,) int64 arrays; ``target[k]`` follows ``previous[k]``.
+    """
+    tokens = np.asarray(tokens, dtype=np.int64)
+    if blocks is None:
+        blocks = range((len(tokens) - 1) // block_len)
+    starts = np.asarray(list(blocks), dtype=np.int64) * block_len  # (nb,)
+    positions = (starts[:, None] + np.arange(block_len)[None, :]).reshape(-1)  # (nb * L,)
+    return tokens[positions], tokens[positions + 1]
+
+
+class BigramLM:
+    """Interpolated Kneser–Ney bigram with an add-one floor on the lower order.
+
+        P(b | a) = max(c(ab) - D, 0) / c(a·) + D * N1+(a·) / c(a·) * P_low(b)      if a was seen as a history
+                 = P_low(b)                                                        otherwise
+        P_low(b) = (N1+(·b) + 1) / (N1+(··) + V)
+
+    c(ab) counts the pair in the training stream, c(a·) the pairs that start with a, N1+(a·) the distinct tokens
+    seen after a, N1+(·b) the distinct tokens seen before b (the continuation count), N1+(··) the distinct pairs.
+    The add-one gives every id of the vocabulary some probability. The discount is Ney et al.'s (1994) estimate
+    D = n1 / (n1 + 2 n2) from the numbers of pairs seen once (n1) and twice (n2), computed on the training counts
+    only, so nothing is fitted on the scored split.
+    """
+
+    def __init__(self, tokens, vocab_size: int, discount: float | None = None):
+        tokens = np.asarray(tokens, dtype=np.int64)  # (N,)
+        self.vocab_size = vocab_size
+        keys, counts = np.unique(tokens[:-1] * vocab_size + tokens[1:], return_counts=True)  # distinct pairs
+        self.pair_keys, self.pair_counts = keys, counts  # sorted (P,) and their counts (P,)
+        first, second = keys // vocab_size, keys % vocab_size
+        self.history_count = np.bincount(first, weights=counts, minlength=vocab_size)  # c(a·), (V,)
+        self.followers = np.bincount(first, minlength=vocab_size)  # N1+(a·), (V,)
+        continuation = np.bincount(second, minlength=vocab_size)  # N1+(·b), (V,)
+        self.low = (continuation + 1.0) / (len(keys) + vocab_size)  # P_low, (V,)
+        if discount is None:
+            n1, n2 = int((counts == 1).sum()), int((counts == 2).sum())
+            discount = n1 / (n1 + 2 * n2) if n1 + n2 else 0.5
+        self.discount = float(discount)
+
+    def prob(self, previous, target):
+        """P(target | previous) for (n,) arrays of ids -> (n,) float64."""
+        previous, target = np.asarray(previous, dtype=np.int64), np.asarray(target, dtype=np.int64)
+        keys = previous * self.vocab_size + target
+        at = np.searchsorted(self.pair_keys, keys).clip(max=len(self.pair_keys) - 1)
+        pair = np.where(self.pair_keys[at] == keys, self.pair_counts[at], 0).astype(np.float64)  # c(ab)
+        history = self.history_count[previous]  # c(a·)
+        seen = history > 0
+        safe = np.where(seen, history, 1.0)
+        backoff = np.where(seen, self.discount * self.followers[previous] / safe, 1.0)  # weight of P_low
+        return np.where(seen, np.maximum(pair - self.discount, 0.0) / safe, 0.0) + backoff * self.low[target]
+
+    def cross_entropy(self, tokens, block_len: int, blocks=None) -> float:
+        """Mean -ln P over the predictions of ``block_predictions(tokens, block_len, blocks)``, nats per token."""
+        previous, target = block_predictions(tokens, block_len, blocks)
+        return float(-np.log(self.prob(previous, target)).mean())
+
+
+def unigram_cross_entropy(train_tokens, tokens, block_len: int, vocab_size: int, blocks=None) -> float:
+    """Mean -ln P_add-one(target) over the same predictions, with P(b) = (c(b) + 1) / (N + V) from the train
+    stream: the plateau a model sits on while it only knows token frequencies."""
+    counts = np.bincount(np.asarray(train_tokens, dtype=np.int64), minlength=vocab_size)
+    _, target = block_predictions(tokens, block_len, blocks)
+    return float(-np.log((counts[target] + 1.0) / (counts.sum() + vocab_size)).mean())
+
+
+def char_features(text: str) -> list[str]:
+    """A text's characters and its adjacent character pairs: "好评" -> ["好", "评", "好评"]."""
+    return list(text) + [text[i:i + 2] for i in range(len(text) - 1)]
+
+
+class NaiveBayes:
+    """Two-class multinomial naive Bayes over ``char_features`` with add-``alpha`` smoothing.
+
+        log_odds(x) = ln P(good) / P(bad) + sum over features f of x of ln P(f | good) / P(f | bad)
+        P(f | class) = (count of f in the class's texts + alpha) / (all feature counts of the class + alpha * |F|)
+
+    F is every feature seen in either class; a feature seen in neither contributes 0 (it is dropped).
+    """
+
+    def __init__(self, good_texts, bad_texts, alpha: float = 1.0):
+        good = Counter(f for t in good_texts for f in char_features(t))
+        bad = Counter(f for t in bad_texts for f in char_features(t))
+        features = set(good) | set(bad)
+        good_total = sum(good.values()) + alpha * len(features)
+        bad_total = sum(bad.values()) + alpha * len(features)
+        self.weight = {f: math.log((good[f] + alpha) / good_total) - math.log((bad[f] + alpha) / bad_total)
+                       for f in features}
+        self.prior = math.log(len(good_texts) / len(bad_texts))
+
+    def log_odds(self, text: str) -> float:
+        """ln P(good | text) / P(bad | text) under the model."""
+        return self.prior + sum(self.weight.get(f, 0.0) for f in char_features(text))
+
+
+def pair_accuracy(model: NaiveBayes, pairs) -> float:
+    """Share of ``(chosen, rejected)`` text pairs where ``log_odds(chosen) > log_odds(rejected)`` (a tie is wrong)."""
+    pairs = list(pairs)
+    return sum(model.log_odds(c) > model.log_odds(r) for c, r in pairs) / len(pairs)
