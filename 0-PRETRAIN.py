@@ -20,7 +20,7 @@ from chinese_tokenizer import load_tokenizer, text_to_token_ids, token_ids_to_te
 from cli import UserError, default_path, fill_defaults, run, stage_parser
 from corpus import PackedBlocks, load_text_documents
 from gpt_model import GPTModel, generate, get_preset
-from training import (BatchSchedule, StageRun, evaluate_lm, lr_at, make_accelerator, make_optimizer, set_lr,
+from training import (BatchSchedule, StageRun, evaluate_lm, make_accelerator, make_optimizer,
                       spread_subset)
 
 # Run length and optimisation per preset; every value can be overridden on the command line.
@@ -114,8 +114,6 @@ def main(argv=None):
     # --- the loop ------------------------------------------------------------------------------------------------
     model.train()
     for step in stage.steps():
-        lr = lr_at(step, args.learning_rate, args.warmup_steps, args.max_steps)
-        set_lr(optimizer, lr)
         step_loss = 0.0
         for micro in range(args.gradient_accumulation_steps):
             batch = train.collate(schedule.indices(step, micro, accelerator.process_index))
@@ -125,7 +123,7 @@ def main(argv=None):
                 stage.backward(loss)
             step_loss += loss.item() / args.gradient_accumulation_steps
         step_loss = stage.end_step(step_loss, tokens=input_ids.numel() * args.gradient_accumulation_steps)
-        row = {"train_loss": step_loss, "lr": lr}
+        row = {"train_loss": step_loss}
         if stage.eval_due:
             row.update(evaluate_and_sample())
         stage.log(row, show=("train_loss", "lr"))

@@ -29,8 +29,8 @@ from chinese_tokenizer import EOS_ID, chat_prompt_ids, decode, load_tokenizer, u
 from cli import UserError, default_path, fill_defaults, positive_int, run, stage_parser
 from corpus import ChatPairs, expand_files, length_grouped_batches, read_jsonl
 from gpt_model import generate
-from training import (BatchSchedule, StageRun, evaluate_lm, lr_at, make_accelerator, make_optimizer, markdown_table,
-                      set_lr, spread_subset)
+from training import (BatchSchedule, StageRun, evaluate_lm, make_accelerator, make_optimizer, markdown_table,
+                      spread_subset)
 
 # Run length and optimisation per preset; every value can be overridden on the command line. The demo run sees
 # 300 x 16 = 4800 pairs (about 200k tokens, a third of the training set) and fits in three minutes on 2 CPU cores;
@@ -169,8 +169,6 @@ def main(argv=None):
     stage.results["val_loss_before_sft"] = stage.metrics.rows[0]["val_loss"]
     model.train()
     for step in stage.steps():
-        lr = lr_at(step, args.learning_rate, args.warmup_steps, args.max_steps)
-        set_lr(optimizer, lr)
         step_loss, tokens = 0.0, 0
         for micro in range(args.gradient_accumulation_steps):
             batch = train.collate(batches[schedule.indices(step, micro, accelerator.process_index)[0]])
@@ -181,7 +179,7 @@ def main(argv=None):
                 stage.backward(loss)
             step_loss += loss.item() / args.gradient_accumulation_steps
             tokens += int(batch["attention_mask"].sum())
-        row = {"train_loss": stage.end_step(step_loss, tokens), "lr": lr}
+        row = {"train_loss": stage.end_step(step_loss, tokens)}
         if stage.eval_due:
             row.update(evaluate_and_answer())
         stage.log(row, show=("train_loss", "lr"))

@@ -29,7 +29,7 @@ from cli import UserError, default_path, fill_defaults, positive_float, positive
 from corpus import expand_files, length_grouped_batches, pad_right, read_jsonl, read_lines, read_preference_pairs
 from gpt_model import RewardModel
 from reward import pair_metrics, pairwise_loss, pointwise_loss, score_texts
-from training import BatchSchedule, StageRun, lr_at, make_accelerator, make_optimizer, set_lr, spread_subset
+from training import BatchSchedule, StageRun, make_accelerator, make_optimizer, spread_subset
 
 # Run length and optimisation per preset; every value can be overridden on the command line. The model's shape
 # comes from --init, so the preset only sets how long and how fast to train. With its prompt a review is at most
@@ -232,8 +232,6 @@ def main(argv=None):
     # --- the loop ----------------------------------------------------------------------------------------------------
     model.train()
     for step in stage.steps():
-        lr = lr_at(step, args.learning_rate, args.warmup_steps, args.max_steps)
-        set_lr(optimizer, lr)
         step_loss, step_accuracy, tokens = 0.0, 0.0, 0
         for micro in range(args.gradient_accumulation_steps):
             batch = {k: v.to(accelerator.device)
@@ -251,7 +249,7 @@ def main(argv=None):
             step_loss += loss.item() / args.gradient_accumulation_steps
             step_accuracy += correct.item() / args.gradient_accumulation_steps
             tokens += int(batch["attention_mask"].sum())
-        row = {"train_loss": stage.end_step(step_loss, tokens), "train_accuracy": step_accuracy, "lr": lr}
+        row = {"train_loss": stage.end_step(step_loss, tokens), "train_accuracy": step_accuracy}
         if stage.eval_due:
             result = evaluate_pairs(model, val, tokenizer, args, accelerator)
             row.update({f"val_{k}": v for k, v in result.items()})

@@ -27,7 +27,7 @@ from checkpoint import check_output_dir, load_backbone
 from chinese_tokenizer import apply_chat_template, load_tokenizer
 from cli import UserError, default_path, fill_defaults, positive_float, positive_int, run, stage_parser
 from corpus import chat_example, collate_chat, length_grouped_batches, read_preference_pairs
-from training import BatchSchedule, StageRun, lr_at, make_accelerator, make_optimizer, set_lr, spread_subset
+from training import BatchSchedule, StageRun, make_accelerator, make_optimizer, spread_subset
 
 # Run length and optimisation per preset; every value can be overridden on the command line. The model comes from
 # --policy, so the preset only sets how long and how fast to train.
@@ -174,8 +174,6 @@ def main(argv=None):
         stage.log(evaluate_and_print())
     policy.train()
     for step in stage.steps():
-        lr = lr_at(step, args.learning_rate, args.warmup_steps, args.max_steps)
-        set_lr(optimizer, lr)
         step_loss, step_accuracy, tokens = 0.0, 0.0, 0
         for micro in range(args.gradient_accumulation_steps):
             items = [train[i] for i in batches[schedule.indices(step, micro, accelerator.process_index)[0]]]
@@ -189,7 +187,7 @@ def main(argv=None):
             step_loss += loss.item() / args.gradient_accumulation_steps
             step_accuracy += (chosen > rejected).float().mean().item() / args.gradient_accumulation_steps
             tokens += int(batch["attention_mask"].sum())
-        row = {"train_loss": stage.end_step(step_loss, tokens), "train_accuracy": step_accuracy, "lr": lr}
+        row = {"train_loss": stage.end_step(step_loss, tokens), "train_accuracy": step_accuracy}
         if stage.eval_due:
             row.update(evaluate_and_print())
         stage.log(row, show=("train_loss", "train_accuracy", "lr"))

@@ -17,20 +17,19 @@ judge, KL, length, [SEP] share, repetition; ``judge.py``) and the reward-hacking
 
 from __future__ import annotations
 
-import copy
 import os
 
 import torch
 
-from alignment import (ROLLOUT_MONITORS, as_val_row, describe, from_val_row, held_out_monitors, masked_mean,
-                       monitors_of, penalise_unfinished, rollout, rounded, token_logprobs, write_samples)
-from checkpoint import check_output_dir, load_backbone, load_checkpoint
+from alignment import (ROLLOUT_MONITORS, as_val_row, describe, from_val_row, held_out_monitors,
+                       load_policy_and_reward, masked_mean, monitors_of, penalise_unfinished, read_prompts, rollout,
+                       rounded, token_logprobs, write_samples)
+from checkpoint import check_output_dir
 from chinese_tokenizer import load_tokenizer
 from cli import UserError, default_path, fill_defaults, non_negative_float, positive_float, positive_int, run, \
     stage_parser
-from corpus import read_jsonl
 from judge import SentimentJudge, reward_hacking_flag
-from training import BatchSchedule, StageRun, lr_at, make_accelerator, make_optimizer, set_lr
+from training import BatchSchedule, StageRun, make_accelerator, make_optimizer
 
 # max_steps = iterations; rollout_size = prompts per iteration (each answered group_size times); batch_size =
 # sequences per update micro-batch; eval_samples = samples per held-out prompt for the monitors
@@ -131,18 +130,10 @@ def main(argv=None):
     tokenizer = load_tokenizer(args.tokenizer)
 
     # --- data: prompts to practise on and held-out prompts to measure the change -------------------------------
-    prompts = [r["prompt"] for r in read_jsonl(args.prompts_file, ("prompt",))]
-    val_prompts = [r["prompt"] for r in read_jsonl(args.val_prompts_file, ("prompt",))][:args.eval_examples]
+    prompts, val_prompts = read_prompts(args)
 
     # --- models: the policy and a frozen reference from SFT, the frozen RM (no critic) ---------------------------
-    policy, parent = load_backbone(args.policy, "--policy", tokenizer, "1-SFT.py")
-    ref = copy.deepcopy(policy).requires_grad_(False).eval().to(device)  # before resume loads the policy
-    reward_model, _, _ = load_checkpoint(args.reward, "reward", expect_vocab_size=policy.cfg.vocab_size)
-    reward_model.requires_grad_(False).to(device)
-    context_length = min(policy.cfg.context_length, reward_model.cfg.context_length)
-    if args.max_new_tokens > context_length - 3:
-        raise UserError(f"--max_new_tokens {args.max_new_tokens} leaves no room for a prompt in a context of "
-                        f"{context_length} (the shorter of policy and reward model); lower it")
+    policy, parent, ref, reward_model, context_length = load_policy_and_reward(args, tokenizer, device)
 
     # --- optimizer, Accelerate, and the stage's plumbing (which resumes a run given --resume) -------------------
     optimizer = make_optimizer(policy, args.learning_rate, args.weight_decay)
@@ -180,7 +171,6 @@ def main(argv=None):
         advantages = group_advantages(scores, args.group_size)  # (B,)
         monitors = monitors_of([data], judge, tokenizer)[0]
 
-        set_lr(optimizer, lr_at(step, args.learning_rate, args.warmup_steps, args.max_steps))
         P, n = data["prompt_len"], len(group_prompts)
         stats = []
         for epoch in range(args.grpo_epochs):

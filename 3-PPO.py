@@ -30,24 +30,22 @@ equals the reference exactly (KL = 0) and the PPO ratio is exactly 1.
 
 from __future__ import annotations
 
-import copy
 import os
 
 import torch
 import torch.nn as nn
 from safetensors.torch import load_model, save_model
 
-from alignment import (ROLLOUT_MONITORS, as_val_row, describe, from_val_row, held_out_monitors, masked_mean,
-                       monitors_of, penalise_unfinished, rollout, rounded, token_logprobs, write_samples)
-from checkpoint import check_output_dir, load_backbone, load_checkpoint
+from alignment import (ROLLOUT_MONITORS, as_val_row, describe, from_val_row, held_out_monitors,
+                       load_policy_and_reward, masked_mean, monitors_of, penalise_unfinished, read_prompts, rollout,
+                       rounded, token_logprobs, write_samples)
+from checkpoint import check_output_dir
 from chinese_tokenizer import load_tokenizer
-from cli import UserError, default_path, fill_defaults, non_negative_float, positive_float, positive_int, run, \
-    stage_parser
-from corpus import read_jsonl
+from cli import default_path, fill_defaults, non_negative_float, positive_float, positive_int, run, stage_parser
 from gpt_model import RewardModel, last_real_index
 from judge import SentimentJudge, reward_hacking_flag
-from training import (BatchSchedule, StageRun, lr_at, make_accelerator, make_optimizer,
-                      mean_over_processes, set_lr)
+from training import (BatchSchedule, StageRun, make_accelerator, make_optimizer,
+                      mean_over_processes)
 
 DEFAULT_TARGET_KL = 3.0  # nats per response: the KL controller's target, and the flag's budget when beta is fixed
 # max_steps = PPO iterations; batch_size = sequences per update micro-batch; rollout_size = prompts per iteration;
@@ -187,24 +185,12 @@ def main(argv=None):
     tokenizer = load_tokenizer(args.tokenizer)
 
     # --- data: prompts to practise on and held-out prompts to measure the gain ---------------------------------
-    prompts = [r["prompt"] for r in read_jsonl(args.prompts_file, ("prompt",))]
-    val_prompts = [r["prompt"] for r in read_jsonl(args.val_prompts_file, ("prompt",))][:args.eval_examples]
+    prompts, val_prompts = read_prompts(args)
 
     # --- models: policy + frozen reference from SFT, frozen RM, critic initialised from the RM -------------------
-    policy, parent = load_backbone(args.policy, "--policy", tokenizer, "1-SFT.py")
-    ref = copy.deepcopy(policy)
-    reward_model, _, _ = load_checkpoint(args.reward, "reward")
-    if reward_model.cfg.vocab_size != policy.cfg.vocab_size:
-        raise UserError(f"--reward {args.reward} has vocab_size {reward_model.cfg.vocab_size} but --policy "
-                        f"{args.policy} has {policy.cfg.vocab_size}; train both from the same tokenizer")
+    policy, parent, ref, reward_model, context_length = load_policy_and_reward(args, tokenizer, device)
     critic = RewardModel(reward_model.cfg)
     critic.load_state_dict(reward_model.state_dict())
-    for frozen in (ref, reward_model):
-        frozen.requires_grad_(False).eval().to(device)
-    context_length = min(policy.cfg.context_length, reward_model.cfg.context_length)
-    if args.max_new_tokens > context_length - 3:
-        raise UserError(f"--max_new_tokens {args.max_new_tokens} leaves no room for a prompt in a context of "
-                        f"{context_length} (the shorter of policy and reward model); lower it")
 
     # --- optimizer, Accelerate, and the stage's plumbing (which resumes a run given --resume) -----------------------
     trained = PolicyAndCritic(policy, critic)
@@ -251,7 +237,6 @@ def main(argv=None):
         monitors = monitors_of([data], judge, tokenizer)[0]
         monitors = dict(zip(monitors, mean_over_processes(accelerator, list(monitors.values()))))
 
-        set_lr(optimizer, lr_at(step, args.learning_rate, args.warmup_steps, args.max_steps))
         P, n = data["prompt_len"], len(batch_prompts)
         stats = []  # one row per minibatch: policy_loss, value_loss, clip_fraction, approx_kl
         for epoch in range(args.ppo_epochs):

@@ -9,15 +9,21 @@
   length, ``[SEP]`` share and repetition, see ``judge.py``), their metrics-row names (``as_val_row``,
   ``from_val_row``), ``describe`` for the console and ``write_samples`` for samples.md.
 
+* set-up of the online stages (PPO, GRPO): ``read_prompts`` and ``load_policy_and_reward``.
+
 The stage-specific maths (PPO's GAE and clipped losses, DPO's loss, GRPO's group advantages) stays in each stage.
 """
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
+from checkpoint import load_backbone, load_checkpoint
 from chinese_tokenizer import EOS_ID, chat_prompt_ids, decode
-from corpus import pad_left
+from cli import UserError
+from corpus import pad_left, read_jsonl
 from gpt_model import generate
 from judge import summarize
 from training import markdown_table
@@ -191,3 +197,37 @@ def write_samples(path, examples):
     with open(path, "w", encoding="utf-8") as f:
         f.write(markdown_table(("prompt", "response", "RM score"),
                                [(e["prompt"], e["response"], e["score"]) for e in examples]))
+
+
+def read_prompts(args) -> tuple[list[str], list[str]]:
+    """The prompts the policy practises on (``--prompts_file``) and the first ``--eval_examples`` held-out ones
+    (``--val_prompts_file``) that measure it. Raises ``UserError`` naming a bad file and line."""
+    prompts = [r["prompt"] for r in read_jsonl(args.prompts_file, ("prompt",))]
+    val_prompts = [r["prompt"] for r in read_jsonl(args.val_prompts_file, ("prompt",))][:args.eval_examples]
+    return prompts, val_prompts
+
+
+def load_policy_and_reward(args, tokenizer, device):
+    """The models of an online alignment stage: the SFT policy (``--policy``, train mode, on the CPU for
+    ``accelerator.prepare``), a frozen copy of it as the reference and the frozen reward model (``--reward``), both
+    in eval mode on ``device``, and the context both can read.
+
+    Returns:
+        (policy, parent metadata, ref, reward_model, context_length).
+    Raises:
+        UserError: a missing or wrong checkpoint, vocabularies that differ, or ``--max_new_tokens`` that leaves no
+            room for a prompt.
+    """
+    policy, parent = load_backbone(args.policy, "--policy", tokenizer, "1-SFT.py")
+    ref = copy.deepcopy(policy)  # the SFT model as it is now, before --resume loads the trained policy
+    reward_model, _, _ = load_checkpoint(args.reward, "reward")
+    if reward_model.cfg.vocab_size != policy.cfg.vocab_size:
+        raise UserError(f"--reward {args.reward} has vocab_size {reward_model.cfg.vocab_size} but --policy "
+                        f"{args.policy} has {policy.cfg.vocab_size}; train both from the same tokenizer")
+    for frozen in (ref, reward_model):
+        frozen.requires_grad_(False).eval().to(device)
+    context_length = min(policy.cfg.context_length, reward_model.cfg.context_length)
+    if args.max_new_tokens > context_length - 3:
+        raise UserError(f"--max_new_tokens {args.max_new_tokens} leaves no room for a prompt in a context of "
+                        f"{context_length} (the shorter of policy and reward model); lower it")
+    return policy, parent, ref, reward_model, context_length

@@ -349,14 +349,15 @@ class StageRun:
     evaluation inline in its own loop. ``StageRun`` owns:
 
     * resume: with ``--resume``, the constructor loads the saved weights, optimizer, RNG, counters and metrics;
-    * ``steps()``: the loop over optimizer steps with the progress bar; after each step it saves a resumable
-      checkpoint on Ctrl-C/SIGTERM (then ends the loop) or every ``--save_every`` steps;
+    * ``steps()``: the loop over optimizer steps with the progress bar and the learning-rate schedule
+      (``lr_at``); after each step it saves a resumable checkpoint on Ctrl-C/SIGTERM (then ends the loop) or
+      every ``--save_every`` steps;
     * ``accumulate()`` + ``backward(loss)``: one micro-batch under ``accelerator.accumulate`` and autocast, then
       backward, clipping and the optimizer step (which Accelerate skips until the last micro-batch);
     * ``end_step(loss, tokens)``: the loss averaged over processes and checked on every process alike, so a
       non-finite loss on one process stops them all with the same error instead of leaving the others waiting
       in the next collective; the step and token counters;
-    * ``log(row)``: one ``metrics.jsonl`` row with step, tokens_seen and seconds;
+    * ``log(row)``: one ``metrics.jsonl`` row with step, the learning rate, tokens_seen and seconds;
     * ``save(final)`` / ``finish(summary)``: the checkpoint (atomic, see ``checkpoint.save_checkpoint``) with
       metrics, the curves PNG, the stage's extra files and, unless final, ``state/``; the closing message.
 
@@ -384,6 +385,7 @@ class StageRun:
         self.results = {}  # final metrics for config.json beside the latest val_* values
         self.files = {}  # {file name: fn(path)}: the stage's own files (e.g. samples.md), written at each save
         self.exit_code = None  # set when Ctrl-C/SIGTERM ended the loop
+        self.lr = None  # the learning rate of the current step, set by steps()
         self.started = time.time()
         self._bar, self._tokens_at, self._time_at = None, 0, time.perf_counter()
         if args.resume:
@@ -418,6 +420,9 @@ class StageRun:
                          disable=not self.accelerator.is_main_process)
         with StopSignal() as stop:
             while self.step < last:
+                # linear warm-up then cosine decay, set before the step (the schedule is every stage's)
+                self.lr = lr_at(self.step, args.learning_rate, args.warmup_steps, args.max_steps)
+                set_lr(self.optimizer, self.lr)
                 yield self.step
                 if stop.requested(self.accelerator):
                     self.save(final=False)
@@ -465,9 +470,10 @@ class StageRun:
         return loss
 
     def log(self, row: dict, show=()) -> dict:
-        """Add a metrics row for the current step (``step``, ``tokens_seen`` and ``time_s`` are filled in) and
+        """Add a metrics row for the current step (``step``, ``lr``, ``tokens_seen`` and ``time_s`` are filled in) and
         show the keys ``show`` and the tokens per second since the last row on the bar."""
-        row = self.metrics.add(step=self.step, **row, tokens_seen=self.tokens_seen,
+        lr = {"lr": self.lr} if self.lr is not None and self.step > 0 else {}
+        row = self.metrics.add(step=self.step, **row, **lr, tokens_seen=self.tokens_seen,
                                time_s=round(time.time() - self.started, 1))
         if self._bar is not None and self.step > 0:
             now = time.perf_counter()
