@@ -2,7 +2,8 @@
 
 * ``make_accelerator``: devices, mixed precision and processes come from ``accelerate launch`` (or plain python).
 * ``make_optimizer`` / ``lr_at``: AdamW with decoupled weight decay on matrices only (Loshchilov & Hutter 2019),
-  linear warm-up then cosine decay to 10% (as in GPT-3's recipe).
+  linear warm-up then cosine decay to 10% (as in GPT-3's recipe); or Muon for the Transformer blocks' matrices
+  with AdamW for the rest (``MuonAdamW``, as nanochat and the modded-nanogpt speedrun train).
 * ``BatchSchedule``: which examples make up each micro-batch of each step on each process. The data position is
   a pure function of (seed, step), so resuming at step s continues exactly where the run stopped, and N processes
   with batch b see the same global batches as one process with batch N*b.
@@ -82,9 +83,27 @@ def pick_mixed_precision(choice: str) -> str:
     return os.environ.get("ACCELERATE_MIXED_PRECISION") or ("bf16" if native_bf16() else "no")
 
 
-def make_optimizer(model: nn.Module, learning_rate: float, weight_decay: float) -> torch.optim.AdamW:
+# optimizer="muon": Muon's rate and the token embedding's AdamW rate, as multiples of the peak learning rate. At
+# the demo's 2e-3: Muon 0.02 (nanochat's matrix rate) and embedding 0.06 (bench/README.md: the demo sweep)
+MUON_LR_SCALE = 10.0
+EMBEDDING_LR_SCALE = 30.0
+
+
+def make_optimizer(model: nn.Module, learning_rate: float, weight_decay: float,
+                   optimizer: str = "adamw") -> torch.optim.Optimizer:
     """AdamW with weight decay on the weight matrices of Linear layers only; biases, norm scales/shifts and
-    embeddings (and the head tied to them) are not decayed."""
+    embeddings (and the head tied to them) are not decayed.
+
+    ``optimizer="muon"``: ``MuonAdamW`` instead, Muon on the Transformer blocks' matrices at ``MUON_LR_SCALE``
+    times the learning rate, AdamW on the token embedding at ``EMBEDDING_LR_SCALE`` times it and on the rest at
+    the learning rate (see ``make_optimizer_groups``).
+    """
+    if optimizer == "muon":
+        groups = make_optimizer_groups(model, weight_decay, muon=True, embedding_lr_scale=EMBEDDING_LR_SCALE,
+                                       muon_lr_scale=MUON_LR_SCALE)
+        return MuonAdamW(groups, lr=learning_rate)
+    if optimizer != "adamw":
+        raise ValueError(f"optimizer must be 'adamw' or 'muon', got {optimizer!r}")
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     decay, no_decay = [], []
     for p in model.parameters():  # parameters() yields a tied weight once
@@ -94,6 +113,75 @@ def make_optimizer(model: nn.Module, learning_rate: float, weight_decay: float) 
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     # the fused kernel updates all parameters in one pass (the per-tensor loop costs seconds a step on a CPU)
     return torch.optim.AdamW(groups, lr=learning_rate, betas=(0.9, 0.95), eps=1e-8, fused=True)
+
+
+def make_optimizer_groups(model: nn.Module, weight_decay: float, muon: bool = False,
+                          embedding_lr_scale: float = 1.0, muon_lr_scale: float = 10.0) -> list[dict]:
+    """Parameter groups of a ``gpt_model.GPTModel`` for ``MuonAdamW``: with ``muon``, the 2-D weights of the
+    Transformer blocks (attention and MLP matrices) form a Muon group (``"muon": True``) whose learning rate is ``muon_lr_scale`` times the
+    schedule's, decayed by ``weight_decay``; the token embedding (and the head tied to it) is an AdamW group at
+    ``embedding_lr_scale`` times the schedule's; an untied head is decayed like the matrices in ``make_optimizer``;
+    positions, norms and biases are not decayed. Without ``muon`` the block matrices are a decayed AdamW group."""
+    embedding = model.tok_emb.weight
+    blocks = {id(p) for block in model.trf_blocks for p in block.parameters() if p.dim() == 2}
+    matrices, embeddings, decay, rest = [], [], [], []
+    for p in model.parameters():  # parameters() yields a tied weight once
+        if not p.requires_grad:
+            continue
+        if id(p) in blocks:
+            matrices.append(p)
+        elif p is embedding:
+            embeddings.append(p)
+        elif p is model.out_head.weight:  # an untied head
+            decay.append(p)
+        else:
+            rest.append(p)
+    groups = [{"params": matrices, "weight_decay": weight_decay, "muon": muon,
+               "lr_scale": muon_lr_scale if muon else 1.0},
+              {"params": embeddings, "weight_decay": 0.0, "lr_scale": embedding_lr_scale},
+              {"params": decay, "weight_decay": weight_decay},
+              {"params": rest, "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
+
+
+class MuonAdamW(torch.optim.Optimizer):
+    """Muon for the groups marked ``"muon": True``, AdamW for the others, behind one optimizer (one ``step``,
+    one ``state_dict``, so ``accelerator.prepare``, gradient accumulation and exact resume work unchanged).
+
+    Muon (Jordan et al. 2024, https://kellerjordan.github.io/posts/muon/; ``torch.optim.Muon``) replaces each
+    2-D weight's momentum-SGD update by its nearest semi-orthogonal matrix (5 Newton-Schulz iterations), scaled
+    by ``sqrt(max(1, rows / cols))``; nanochat and the modded-nanogpt speedrun train the hidden matrices with it
+    and the embeddings, head and gains with AdamW, as here. Both inner optimizers share this object's
+    ``param_groups`` and ``state``, so ``set_lr`` and ``lr_scale`` apply to both.
+    """
+
+    def __init__(self, groups: list[dict], lr: float, betas=(0.9, 0.95), muon_momentum: float = 0.95):
+        adam_groups = [g for g in groups if not g.get("muon")]
+        muon_groups = [g for g in groups if g.get("muon")]
+        self._adamw = torch.optim.AdamW(adam_groups, lr=lr, betas=betas, eps=1e-8, fused=True)
+        self._muon = (torch.optim.Muon(muon_groups, lr=lr, momentum=muon_momentum, adjust_lr_fn="original")
+                      if muon_groups else None)
+        self._num_adam_groups = len(adam_groups)
+        super().__init__(self._adamw.param_groups + (self._muon.param_groups if self._muon else []), {})
+        self._share()
+
+    def _share(self):
+        """Point both inner optimizers at this object's groups and state (again after ``load_state_dict``)."""
+        self._adamw.param_groups = self.param_groups[:self._num_adam_groups]
+        self._adamw.state = self.state
+        if self._muon is not None:
+            self._muon.param_groups = self.param_groups[self._num_adam_groups:]
+            self._muon.state = self.state
+
+    def load_state_dict(self, state_dict):
+        super().load_state_dict(state_dict)
+        self._share()
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        self._adamw.step()
+        if self._muon is not None:
+            self._muon.step()
 
 
 def lr_at(step: int, peak: float, warmup_steps: int, total_steps: int, min_ratio: float = 0.1) -> float:
