@@ -75,7 +75,9 @@ class GPTConfig:
 # context; "uer-gpt2-chinese" is the shape of uer/gpt2-chinese-cluecorpussmall (load its weights with load_weight.py).
 PRESETS = {
     "tiny": GPTConfig(context_length=64, emb_dim=32, n_heads=2, n_layers=2, drop_rate=0.0),  # tests
-    "demo": GPTConfig(context_length=256, emb_dim=256, n_heads=4, n_layers=4, drop_rate=0.0),  # < 1 epoch: no dropout
+    # < 1 epoch: no dropout; rotary positions learn faster than a position table (bench/README.md: the sweep)
+    "demo": GPTConfig(context_length=256, emb_dim=256, n_heads=4, n_layers=4, drop_rate=0.0,
+                      position_embedding="rope"),
     "gpt2-zh-small": GPTConfig(context_length=256, emb_dim=768, n_heads=12, n_layers=12, drop_rate=0.1,
                                tie_embeddings=False),
     "uer-gpt2-chinese": GPTConfig(context_length=1024, emb_dim=768, n_heads=12, n_layers=12, drop_rate=0.1,

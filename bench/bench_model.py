@@ -274,7 +274,8 @@ def measure_memory(args, name, workload, dtype):
 # -------------------------------------------------------------------------------------------------------- main
 
 def bench_config(args, context_length=None):
-    cfg = get_preset(args.preset)
+    """The preset's config, with learned positions if it uses rotary ones (GPT2LMHeadModel has only a table)."""
+    cfg = get_preset(args.preset).replace(position_embedding="learned")
     if context_length is not None:
         cfg = cfg.replace(context_length=context_length)
     return cfg
