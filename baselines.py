@@ -5,6 +5,8 @@ against it.
   Goodman 1998, section 3), fitted on a token stream. ``cross_entropy(tokens, block_len, blocks)`` scores exactly the
   predictions that ``corpus.PackedBlocks`` makes the model train and evaluate on: block ``i`` predicts
   ``tokens[iL + t + 1]`` from what comes before it, for t in 0..L-1, so a bigram predicts it from ``tokens[iL + t]``.
+  ``BigramLM.from_pairs`` counts the same model on chosen (previous, next) pairs: ``chat_predictions`` gives
+  those of SFT's response-only loss, so a bigram of the training responses scores what 1-SFT's val loss scores.
 * ``unigram_cross_entropy``: the add-one unigram on the same predictions (the loss a model has when it has learned
   token frequencies and nothing else).
 * ``NaiveBayes``: a multinomial naive Bayes over character unigrams and bigrams with add-alpha smoothing (the
@@ -56,8 +58,19 @@ class BigramLM:
 
     def __init__(self, tokens, vocab_size: int, discount: float | None = None):
         tokens = np.asarray(tokens, dtype=np.int64)  # (N,)
+        self._fit(tokens[:-1], tokens[1:], vocab_size, discount)
+
+    @classmethod
+    def from_pairs(cls, previous, target, vocab_size: int, discount: float | None = None) -> "BigramLM":
+        """The same model counted on (n,) arrays of (previous token, next token) pairs instead of one stream:
+        for SFT, the pairs that predict response tokens only (``chat_predictions``)."""
+        lm = cls.__new__(cls)
+        lm._fit(np.asarray(previous, dtype=np.int64), np.asarray(target, dtype=np.int64), vocab_size, discount)
+        return lm
+
+    def _fit(self, previous, target, vocab_size: int, discount: float | None) -> None:
         self.vocab_size = vocab_size
-        keys, counts = np.unique(tokens[:-1] * vocab_size + tokens[1:], return_counts=True)  # distinct pairs
+        keys, counts = np.unique(previous * vocab_size + target, return_counts=True)  # distinct pairs
         self.pair_keys, self.pair_counts = keys, counts  # sorted (P,) and their counts (P,)
         first, second = keys // vocab_size, keys % vocab_size
         self.history_count = np.bincount(first, weights=counts, minlength=vocab_size)  # c(a·), (V,)
@@ -83,8 +96,32 @@ class BigramLM:
 
     def cross_entropy(self, tokens, block_len: int, blocks=None) -> float:
         """Mean -ln P over the predictions of ``block_predictions(tokens, block_len, blocks)``, nats per token."""
-        previous, target = block_predictions(tokens, block_len, blocks)
+        return self.pair_cross_entropy(*block_predictions(tokens, block_len, blocks))
+
+    def pair_cross_entropy(self, previous, target) -> float:
+        """Mean -ln P(target | previous) over (n,) arrays of pairs, nats per token."""
         return float(-np.log(self.prob(previous, target)).mean())
+
+
+def chat_predictions(examples, indices=None):
+    """The (previous, target) token pairs that SFT's response-only loss scores in chat examples.
+
+    Args:
+        examples: ``(inputs, labels)`` pairs as ``corpus.ChatPairs`` holds them (labels already shifted, -100 on
+            the prompt); ``indices``: which examples (default: all).
+    Returns:
+        (previous, target): two (n,) int64 arrays, one entry per label that is not -100: ``target`` is the label,
+        ``previous`` the input token at the same position (the ``[ANS]`` before the first response token).
+    """
+    indices = range(len(examples)) if indices is None else indices
+    previous, target = [], []
+    for i in indices:
+        inputs, labels = examples[i]
+        for token, label in zip(inputs, labels):
+            if label != -100:
+                previous.append(token)
+                target.append(label)
+    return np.asarray(previous, dtype=np.int64), np.asarray(target, dtype=np.int64)
 
 
 def unigram_cross_entropy(train_tokens, tokens, block_len: int, vocab_size: int, blocks=None) -> float:
@@ -130,29 +167,44 @@ def pair_accuracy(model: NaiveBayes, pairs) -> float:
     return sum(model.log_odds(c) > model.log_odds(r) for c, r in pairs) / len(pairs)
 
 
-def counting_baselines(tokenizer, pretrain_train, pretrain_val, block_len: int, eval_blocks: int, rm_train, rm_test):
-    """The two counting baselines of the report card, on the stages' own splits.
+def counting_baselines(tokenizer, pretrain: tuple, sft: tuple, rm: tuple, block_len: int, sft_max_length: int,
+                       pretrain_eval_blocks: int, sft_eval_examples: int) -> dict:
+    """The counting baselines of the report card, on the stages' own splits and evaluation subsets.
 
     Args:
-        tokenizer: the project tokenizer; ``pretrain_train`` / ``pretrain_val``: pretraining files (``--train_files``
-            / ``--val_files`` of 0-PRETRAIN.py); ``block_len`` and ``eval_blocks``: the block length and the
-            number of val blocks 0-PRETRAIN.py evaluates on (``spread_subset`` of them, as the stage does);
-            ``rm_train`` / ``rm_test``: the RM's preference-pair files.
+        tokenizer: the project tokenizer.
+        pretrain, sft, rm: (train files, held-out files) of each stage: 0-PRETRAIN's ``--train_files`` /
+            ``--val_files``, 1-SFT's ``--train_files`` / ``--val_files``, 2-RM's ``--train_files`` /
+            ``--test_files``.
+        block_len: 0-PRETRAIN's block length (``--context_length``); sft_max_length: 1-SFT's ``--max_length``.
+        pretrain_eval_blocks, sft_eval_examples: the stages' ``--eval_examples``; the baseline is scored on the
+            same ``spread_subset`` the stage evaluates.
     Returns:
-        {"bigram_val_loss": nats/token of the Kneser–Ney bigram on the stage's eval blocks,
+        {"bigram_val_loss": nats/token of the Kneser–Ney bigram on pretraining's eval blocks,
          "unigram_val_loss": the add-one unigram on the same predictions,
+         "response_bigram_val_loss": nats/token of a Kneser–Ney bigram counted on the SFT training responses'
+             predictions, on the response tokens of SFT's eval pairs,
          "naive_bayes_test_accuracy": the character naive Bayes' pair accuracy on the RM's test pairs}.
     """
     from chinese_tokenizer import VOCAB_SIZE
-    from corpus import PackedBlocks, load_text_documents, read_preference_pairs
+    from corpus import ChatPairs, PackedBlocks, expand_files, load_text_documents, read_jsonl, read_preference_pairs
     from training import spread_subset
 
-    train = PackedBlocks(load_text_documents(pretrain_train, "--train_files"), tokenizer, block_len, "train")
-    val = PackedBlocks(load_text_documents(pretrain_val, "--val_files"), tokenizer, block_len, "val")
-    blocks = spread_subset(len(val), eval_blocks)
-    pairs_train = read_preference_pairs(rm_train, "--train_files")
+    train = PackedBlocks(load_text_documents(pretrain[0], "--train_files"), tokenizer, block_len, "train")
+    val = PackedBlocks(load_text_documents(pretrain[1], "--val_files"), tokenizer, block_len, "val")
+    blocks = spread_subset(len(val), pretrain_eval_blocks)
+
+    def chat(patterns, what):
+        rows = [row for path in expand_files(patterns, what) for row in read_jsonl(path, ("prompt", "response"))]
+        return ChatPairs(rows, tokenizer, sft_max_length)
+
+    sft_train, sft_val = chat(sft[0], "--train_files"), chat(sft[1], "--val_files")
+    responses = BigramLM.from_pairs(*chat_predictions(sft_train), VOCAB_SIZE)
+    pairs_train = read_preference_pairs(rm[0], "--train_files")
     nb = NaiveBayes([c for _, c, _ in pairs_train], [r for _, _, r in pairs_train])
     return {"bigram_val_loss": BigramLM(train.tokens, VOCAB_SIZE).cross_entropy(val.tokens, block_len, blocks),
             "unigram_val_loss": unigram_cross_entropy(train.tokens, val.tokens, block_len, VOCAB_SIZE, blocks),
+            "response_bigram_val_loss": responses.pair_cross_entropy(
+                *chat_predictions(sft_val, spread_subset(len(sft_val), sft_eval_examples))),
             "naive_bayes_test_accuracy": pair_accuracy(nb, [(c, r) for _, c, r in
-                                                            read_preference_pairs(rm_test, "--test_files")])}
+                                                            read_preference_pairs(rm[1], "--test_files")])}

@@ -1,12 +1,14 @@
 """The counting baselines on the project's own splits, in seconds (see ``baselines.py`` for the models).
 
-    .venv/bin/python bench/baselines.py                 # token bigram on data/pretrain, naive Bayes on data/rm
+    .venv/bin/python bench/baselines.py                 # token bigrams on data/pretrain and data/sft, naive Bayes on data/rm
     .venv/bin/python bench/baselines.py --block_len 128 --eval_examples 48
 
 Pretraining: the bigram is fitted on the --train_files token stream (documents joined by [SEP], as
 ``corpus.PackedBlocks`` joins them) and scored on the --val_files predictions that 0-PRETRAIN's validation loss uses:
 every whole block of --block_len predictions, and the evenly spread subset of --eval_examples blocks that the stage
-evaluates (``training.spread_subset``). Reward model: naive Bayes fitted on the --rm_train pairs (chosen = good,
+evaluates (``training.spread_subset``). SFT: a bigram counted on the --sft_train responses' predictions (the
+``[ANS]`` before the first response token, each response token before the next, the last before ``[SEP]``), scored
+on the response tokens of the --sft_val pairs, all of them and 1-SFT's --sft_eval_examples subset. Reward model: naive Bayes fitted on the --rm_train pairs (chosen = good,
 rejected = bad), pair accuracy on the --rm_test pairs. Deterministic: nothing is sampled.
 """
 
@@ -32,10 +34,15 @@ def parse_args(argv=None):
     p.add_argument("--block_len", type=positive_int, default=256, help="predictions per block (0-PRETRAIN's "
                    "--context_length, default the model's context)")
     p.add_argument("--eval_examples", type=positive_int, default=48, help="0-PRETRAIN's --eval_examples")
+    p.add_argument("--sft_train", nargs="+", default=[default_path("data", "sft", "train.jsonl")],
+                   help="{prompt, response} pairs whose responses the SFT bigram is counted on")
+    p.add_argument("--sft_val", nargs="+", default=[default_path("data", "sft", "val.jsonl")],
+                   help="pairs whose response tokens are scored")
+    p.add_argument("--sft_eval_examples", type=positive_int, default=200, help="1-SFT's --eval_examples")
     p.add_argument("--rm_train", default=default_path("data", "rm", "train.jsonl"),
                    help="{prompt, chosen, rejected} pairs the naive Bayes is counted on")
     p.add_argument("--rm_test", default=default_path("data", "rm", "test.jsonl"), help="pairs scored")
-    p.add_argument("--skip", choices=["lm", "rm"], help="leave out one of the two baselines")
+    p.add_argument("--skip", choices=["lm", "sft", "rm"], nargs="+", default=[], help="leave out some baselines")
     return p.parse_args(argv)
 
 
@@ -59,6 +66,31 @@ def language_model(args) -> None:
     print(f"  ({time.time() - started:.1f} s)")
 
 
+def sft_responses(args) -> None:
+    from baselines import chat_predictions
+    from chinese_tokenizer import VOCAB_SIZE, load_tokenizer
+    from corpus import ChatPairs, expand_files, read_jsonl
+    from training import spread_subset
+
+    started = time.time()
+    tokenizer = load_tokenizer(args.tokenizer)
+
+    def chat(patterns, what):
+        rows = [row for path in expand_files(patterns, what) for row in read_jsonl(path, ("prompt", "response"))]
+        return ChatPairs(rows, tokenizer, args.block_len)
+
+    train, val = chat(args.sft_train, "--sft_train"), chat(args.sft_val, "--sft_val")
+    previous, target = chat_predictions(train)
+    bigram = BigramLM.from_pairs(previous, target, VOCAB_SIZE)
+    print(f"SFT responses: {len(train)} train pairs, {len(previous):,} response predictions; KN discount "
+          f"{bigram.discount:.3f}")
+    subset = spread_subset(len(val), args.sft_eval_examples)
+    for name, indices in ((f"all {len(val)} val pairs", None), (f"the stage's {len(subset)} eval pairs", subset)):
+        print(f"  {name:<28} response bigram {bigram.pair_cross_entropy(*chat_predictions(val, indices)):.3f} "
+              f"nats/token")
+    print(f"  ({time.time() - started:.1f} s)")
+
+
 def reward_model(args) -> None:
     from corpus import read_jsonl
 
@@ -73,10 +105,9 @@ def reward_model(args) -> None:
 
 def main(argv=None):
     args = parse_args(argv)
-    if args.skip != "lm":
-        language_model(args)
-    if args.skip != "rm":
-        reward_model(args)
+    for name, baseline in (("lm", language_model), ("sft", sft_responses), ("rm", reward_model)):
+        if name not in args.skip:
+            baseline(args)
     return 0
 
 

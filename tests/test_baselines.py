@@ -52,3 +52,23 @@ def test_bigram_accepts_numpy_int32_tokens():
     tokens = np.array([21127, 21126, 21127, 21126, 21127], dtype=np.int32)  # two pairs, each seen twice: D = 0
     lm = BigramLM(tokens, vocab_size=21128)
     assert lm.discount == 0.0 and lm.prob([21127], [21126])[0] == pytest.approx(1.0)
+
+
+def test_response_bigram_counts_only_response_predictions():
+    """Two chat examples (labels shifted, -100 on the prompt): only positions with a label become pairs, and a
+    bigram counted on them equals one counted by hand on the same pairs."""
+    from baselines import chat_predictions
+
+    examples = [([5, 6, 7, 8], [-100, -100, 8, 9]),  # [CLS]=5 prompt=6 [ANS]=7 response 8, [SEP]=9
+                ([5, 7, 8], [-100, 8, 9])]  # an empty prompt
+    previous, target = chat_predictions(examples)
+    assert previous.tolist() == [7, 8, 7, 8] and target.tolist() == [8, 9, 8, 9]
+    assert chat_predictions(examples, [1])[0].tolist() == [7, 8]
+    # pairs 7->8 x2 and 8->9 x2: no pair seen once, so D = 0 and P(8|7) = P(9|8) = 1 exactly
+    lm = BigramLM.from_pairs(previous, target, vocab_size=10)
+    assert lm.discount == 0.0 and lm.pair_cross_entropy([7, 8], [8, 9]) == pytest.approx(0.0)
+    # the pairs of a stream give exactly what the stream constructor counts
+    by_stream = BigramLM([1, 2, 1, 3, 1, 2], vocab_size=4)
+    by_pairs = BigramLM.from_pairs([1, 2, 1, 3, 1], [2, 1, 3, 1, 2], vocab_size=4)
+    assert by_pairs.discount == by_stream.discount
+    assert by_pairs.prob([1, 1, 2, 0], [2, 0, 3, 1]) == pytest.approx(by_stream.prob([1, 1, 2, 0], [2, 0, 3, 1]))
