@@ -21,8 +21,10 @@ import subprocess
 import sys
 import time
 
+from chinese_tokenizer import load_tokenizer
 from cli import ArgumentParser, UserError, default_path, run
 from gpt_model import PRESETS
+from judge import distinct_n, longest_repeat
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 CHECKPOINTS = {"pretrain": "checkpoints/pretrain", "sft": "checkpoints/sft", "rm": "checkpoints/rm",
@@ -32,6 +34,10 @@ STAGES = [("pretrain", "0-PRETRAIN.py"), ("sft", "1-SFT.py"), ("rm", "2-RM.py"),
 REPORT_PROMPTS = ["写一条好评：", "写一条以“房间”开头的好评。", "歇后语：外甥打灯笼", "请解释一下“明月”这个词。",
                   "今天天气很好，"]
 BEST_OF_N = 4  # best-of-n from the SFT model: the no-training baseline in the held-out table
+# How the report's answers are decoded. Greedy decoding makes any small model loop ("国国国…"), so the answers are
+# sampled: temperature 0.7 with nucleus (top-p 0.9, Holtzman et al. 2020) and CTRL's repetition penalty (Keskar et
+# al. 2019) at a mild 1.1, one sample per prompt with generate.py's fixed --seed, so a rerun gives the same answers.
+REPORT_DECODING = {"temperature": 0.7, "top_k": 0, "top_p": 0.9, "repetition_penalty": 1.1}
 
 
 def parse_args(argv=None):
@@ -115,7 +121,8 @@ def main(argv=None):
         out = os.path.join(args.report_dir, f"answers-{stage}.jsonl")
         step(len(STAGES) + 2, total, f"generate.py with the {stage} model", py + [
             "generate.py", "--checkpoint", CHECKPOINTS[stage], "--prompts_file", prompts_file, "--output", out,
-            "--reward", CHECKPOINTS["rm"], "--num_samples", "1", "--max_new_tokens", "48", "--temperature", "0",
+            "--reward", CHECKPOINTS["rm"], "--num_samples", "1", "--max_new_tokens", "48",
+            *[str(a) for key, value in REPORT_DECODING.items() for a in (f"--{key}", value)],
             "--overwrite"],  # the answers belong to this run's models: replace an earlier run's
             started)
         answers[stage] = read_rows(out)
@@ -131,21 +138,20 @@ def main(argv=None):
 
 def compute_baselines(args) -> dict:
     """The counting baselines on the demo stages' own splits (``baselines.counting_baselines``), in seconds: what
-    the learned figures must beat. Uses 0-PRETRAIN.py's block length and number of eval blocks for the preset."""
+    the learned figures must beat. Uses the stages' block lengths and --eval_examples for the preset."""
     from baselines import counting_baselines
-    from chinese_tokenizer import load_tokenizer
     from gpt_model import get_preset
 
     t0 = time.time()
-    pretrain_defaults = load_stage_defaults("0-PRETRAIN.py")[args.preset]
-    result = counting_baselines(load_tokenizer(default_path("data", "tokenizer")),
-                                [default_path("data", "pretrain", "train.jsonl")],
-                                [default_path("data", "pretrain", "val.jsonl")],
-                                get_preset(args.preset).context_length, pretrain_defaults["eval_examples"],
-                                [default_path("data", "rm", "train.jsonl")], [default_path("data", "rm", "test.jsonl")])
+    files = {stage: ([default_path("data", stage, "train.jsonl")], [default_path("data", stage, held_out)])
+             for stage, held_out in (("pretrain", "val.jsonl"), ("sft", "val.jsonl"), ("rm", "test.jsonl"))}
+    pretrain, context = load_stage_defaults("0-PRETRAIN.py")[args.preset], get_preset(args.preset).context_length
+    result = counting_baselines(load_tokenizer(default_path("data", "tokenizer")), files["pretrain"], files["sft"],
+                                files["rm"], pretrain.get("context_length", context), context,
+                                pretrain["eval_examples"], load_stage_defaults("1-SFT.py")[args.preset]["eval_examples"])
     print(f"counting baselines: token bigram {result['bigram_val_loss']:.3f} nats/token on pretrain val, "
-          f"naive Bayes {result['naive_bayes_test_accuracy']:.1%} on the RM test pairs ({time.time() - t0:.0f} s)",
-          flush=True)
+          f"response bigram {result['response_bigram_val_loss']:.3f} on SFT val, naive Bayes "
+          f"{result['naive_bayes_test_accuracy']:.1%} on the RM test pairs ({time.time() - t0:.0f} s)", flush=True)
     return result
 
 
@@ -229,7 +235,9 @@ def write_report(args, times, answers, best_of_n=None, baselines=None) -> str:
              f"| 0-PRETRAIN | {times['pretrain']:.0f} s | {speed('pretrain')} | val loss "
              f"{fmt(m['pretrain'].get('val_loss'))} (counting baseline: token bigram {fmt(b.get('bigram_val_loss'))}"
              f"), perplexity {fmt(m['pretrain'].get('val_perplexity'), '.1f')} |",
-             f"| 1-SFT | {times['sft']:.0f} s | {speed('sft')} | val response loss {fmt(m['sft'].get('val_loss'))} |",
+             f"| 1-SFT | {times['sft']:.0f} s | {speed('sft')} | val response loss {fmt(m['sft'].get('val_loss'))} "
+             f"(pretrained model: {fmt(m['sft'].get('val_loss_before_sft'))}; counting baseline: response bigram "
+             f"{fmt(b.get('response_bigram_val_loss'))}) |",
              f"| 2-RM | {times['rm']:.0f} s | {speed('rm')} | test accuracy {fmt(m['rm'].get('test_accuracy'))} "
              f"(counting baseline: naive Bayes {fmt(b.get('naive_bayes_test_accuracy'))}), "
              f"test margin {fmt(m['rm'].get('test_margin'))} |",
@@ -242,7 +250,10 @@ def write_report(args, times, answers, best_of_n=None, baselines=None) -> str:
              "Counting baselines, computed by the pipeline on the same splits: the *token bigram* is the "
              "cross-entropy of an interpolated Kneser–Ney bigram fitted on `data/pretrain/train.jsonl` (each token "
              "predicted from the one before it alone); a pretrained model that does not beat it has learnt no more "
-             "than which token tends to follow which. The *naive Bayes* is a character uni+bigram classifier fitted "
+             "than which token tends to follow which. The *response bigram* is the same kind of bigram fitted on the SFT "
+             "training responses only and scored on the same val response tokens as SFT's loss; a fine-tuned model "
+             "that does not beat it answers no better than a table of which token follows which in answers. "
+             "The *naive Bayes* is a character uni+bigram classifier fitted "
              "on the RM's training pairs (chosen = good, rejected = bad); a reward model that does not beat it "
              "ranks answers no better than counting their characters.", ""]
     lines += held_out_section(m["ppo"], best_of_n) + ["## Curves", ""]
@@ -252,14 +263,24 @@ def write_report(args, times, answers, best_of_n=None, baselines=None) -> str:
                 target = f"{stage}-{name}"
                 shutil.copy2(os.path.join(ROOT, d, name), os.path.join(args.report_dir, target))
                 lines.append(f"![{stage}]({target})")
-    lines += ["", "## The same prompts, three models (greedy; RM score in brackets)", "",
+    d = REPORT_DECODING
+    decoding = f"temperature {d['temperature']}, top-p {d['top_p']}, repetition penalty {d['repetition_penalty']}"
+    lines += ["", "## The same prompts, three models", "",
+              f"One sample per prompt ({decoding}; seed 1234), up to 48 tokens. In brackets: the RM score, then "
+              f"the answer's distinct-2 (different token pairs / token pairs: 1 = no pair repeated) and its longest "
+              f"repeated run in tokens (one n-gram written again and again back to back; 0 = none). Distinct-2 "
+              f"under 0.5 or a run over 8 is degenerate text, whatever its score.", "",
               "| prompt | pretrain | SFT | PPO |", "|---|---|---|---|"]
+    tokenizer = load_tokenizer(default_path("data", "tokenizer"))
     for i, prompt in enumerate(REPORT_PROMPTS):
         cells = [prompt]
         for stage in ("pretrain", "sft", "ppo"):
             row = answers[stage][i] if i < len(answers[stage]) else {}
-            text = str(row.get("response", "")).replace("|", "\\|").replace("\n", " ")
-            cells.append(f"{text} ({fmt(row.get('score'), '.2f')})")
+            text = str(row.get("response", ""))
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            shown = text.replace("|", "\\|").replace("\n", " ")
+            cells.append(f"{shown} (RM {fmt(row.get('score'), '.2f')}; d-2 {distinct_n([ids]):.2f}, "
+                         f"run {longest_repeat(ids)})")
         lines.append("| " + " | ".join(cells) + " |")
     report = "\n".join(lines) + "\n"
     with open(os.path.join(args.report_dir, "report.md"), "w", encoding="utf-8") as f:
