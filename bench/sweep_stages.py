@@ -38,6 +38,7 @@ RECIPES = {
     "rm-lr1e-3": ("rm", ["--learning_rate", "1e-3"]),
     "rm-lr2e-4": ("rm", ["--learning_rate", "2e-4"]),
     "rm-900": ("rm", ["--max_steps", "900"]),
+    "rm-300": ("rm", ["--max_steps", "300"]),
     "rm-head30": ("rm", ["--head_lr_scale", "30"]),
     "rm-from-pretrain": ("rm", ["--init", "{parents}/pretrain"]),
     "rm-b32-lr1e-3": ("rm", ["--batch_size", "32", "--max_steps", "225", "--learning_rate", "1e-3"]),
