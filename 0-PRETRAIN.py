@@ -49,10 +49,12 @@ def parse_args(argv=None):
                    help="held-out documents (same formats as --train_files) for the validation loss")
     p.add_argument("--init", help="start from this stage checkpoint's weights instead of a new model")
     p.add_argument("--init_from_hf", help="start from a local Hugging Face GPT-2 directory (see load_weight.py)")
-    p.add_argument("--context_length", type=int, help="block length (default: the model's context_length)")
+    p.add_argument("--context_length", type=int,
+                   help="block length (default: the preset's, else the model's context_length)")
     p.add_argument("--optimizer", choices=["adamw", "muon"],
-                   help="adamw for every weight, or muon: Muon for the blocks' matrices and AdamW for the "
-                        "embeddings, norms and biases (training.make_optimizer; default: the preset's)")
+                   help="adamw for every weight, or muon: Muon for the blocks' matrices at 10x --learning_rate and "
+                        "AdamW for the token embedding at 30x and the norms and biases at 1x (training.make_optimizer; "
+                        "default: the preset's)")
     args = p.parse_args(argv)
     fill_defaults(args, DEFAULTS[args.preset])
     if args.init and args.init_from_hf:

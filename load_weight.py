@@ -52,7 +52,8 @@ float32, the precision this project keeps its weights in.
 Command line (see ``--help``)::
 
     python load_weight.py --from_hf DIR --to_checkpoint checkpoints/hf-init     # HF GPT-2 -> stage checkpoint
-    python load_weight.py --checkpoint checkpoints/sft --to_hf DIR              # stage checkpoint -> HF GPT-2
+    python load_weight.py --checkpoint checkpoints/sft --to_hf DIR              # stage checkpoint -> HF GPT-2 (not
+                                                                                # the demo's: it uses rotary positions)
 """
 
 from __future__ import annotations
@@ -353,8 +354,12 @@ def save_hf_gpt2(model: GPTModel, out_dir: str, tokenizer=None, overwrite: bool 
     """
     cfg = model.cfg
     if cfg.norm != "layernorm" or cfg.position_embedding != "learned":
-        raise UserError(f"cannot export to GPT-2 format: the model uses norm={cfg.norm!r} and position_embedding="
-                        f"{cfg.position_embedding!r}, GPT-2 has only layernorm and learned positions")
+        options = [f"{k}={v!r}" for k, v, gpt2 in (("norm", cfg.norm, "layernorm"),
+                                                   ("position_embedding", cfg.position_embedding, "learned"))
+                   if v != gpt2]
+        raise UserError(f"cannot export to GPT-2 format: the model uses {' and '.join(options)}, which GPT-2 does not "
+                        f"have (the demo preset uses rotary positions); export a model trained with LayerNorm and "
+                        f"learned positions, e.g. --preset gpt2-zh-small or uer-gpt2-chinese")
     if os.path.exists(out_dir) and not overwrite:
         raise UserError(f"{out_dir} already exists; pass --overwrite (overwrite=True) to replace it, or choose "
                         f"another directory")
@@ -389,7 +394,7 @@ EXAMPLES = """examples:
   python load_weight.py --from_hf DIR --to_checkpoint checkpoints/hf-init
 
   # export a stage checkpoint for transformers: GPT2LMHeadModel.from_pretrained(DIR), AutoTokenizer too
-  python load_weight.py --checkpoint checkpoints/sft --to_hf DIR
+  python load_weight.py --checkpoint checkpoints/sft --to_hf DIR   (LayerNorm + learned positions only: not the demo)
 
   # the real uer/gpt2-chinese-cluecorpussmall (12 layers x 768, 1024 positions, our vocabulary):
   #   on a machine with network

@@ -271,7 +271,8 @@ def load_training_state(state_dir: str, optimizer, accelerator) -> dict:
         optimizer.load_state_dict({"state": state, "param_groups": saved["param_groups"]})
     except (ValueError, KeyError) as e:
         raise UserError(f"the optimizer state in {state_dir} does not fit this model ({e}); "
-                        f"resume with the same --preset, or start again without --resume") from e
+                        f"resume with the same --preset and --optimizer as the run that saved it, or start again "
+                        f"without --resume") from e
     if rng.shape[0] != accelerator.num_processes:
         raise UserError(f"{state_dir} was saved by {rng.shape[0]} process(es) but this run has "
                         f"{accelerator.num_processes}; resume with the same number of processes")

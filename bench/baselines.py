@@ -1,7 +1,7 @@
 """The counting baselines on the project's own splits, in seconds (see ``baselines.py`` for the models).
 
     .venv/bin/python bench/baselines.py                 # token bigrams on data/pretrain and data/sft, naive Bayes on data/rm
-    .venv/bin/python bench/baselines.py --block_len 128 --eval_examples 48
+    .venv/bin/python bench/baselines.py --block_len 256 --eval_examples 48   # the blocks of an older demo
 
 Pretraining: the bigram is fitted on the --train_files token stream (documents joined by [SEP], as
 ``corpus.PackedBlocks`` joins them) and scored on the --val_files predictions that 0-PRETRAIN's validation loss uses:
@@ -31,9 +31,9 @@ def parse_args(argv=None):
     p.add_argument("--val_files", nargs="+", default=[default_path("data", "pretrain", "val.jsonl")],
                    help="documents whose next-token predictions are scored")
     p.add_argument("--tokenizer", default=default_path("data", "tokenizer"), help="tokenizer directory")
-    p.add_argument("--block_len", type=positive_int, default=256, help="predictions per block (0-PRETRAIN's "
-                   "--context_length, default the model's context)")
-    p.add_argument("--eval_examples", type=positive_int, default=48, help="0-PRETRAIN's --eval_examples")
+    p.add_argument("--block_len", type=positive_int, default=128,
+                   help="predictions per block (0-PRETRAIN's --context_length for the demo)")
+    p.add_argument("--eval_examples", type=positive_int, default=96, help="0-PRETRAIN's demo --eval_examples")
     p.add_argument("--sft_train", nargs="+", default=[default_path("data", "sft", "train.jsonl")],
                    help="{prompt, response} pairs whose responses the SFT bigram is counted on")
     p.add_argument("--sft_val", nargs="+", default=[default_path("data", "sft", "val.jsonl")],

@@ -6,7 +6,7 @@ held-out prompts: the KL to SFT (budget 3 nats per response), the RM score gain 
 that end with [SEP] (no lower than SFT's), the length, the longest repeated run, the flag, and the wall time.
 
     python bench/sweep_ppo.py --policy checkpoints/sft --reward checkpoints/rm           # every recipe
-    python bench/sweep_ppo.py --only default,old --seeds 1234,1                          # two recipes, two seeds
+    python bench/sweep_ppo.py --only beta2-h64,old --seeds 1234,1                        # two recipes, two seeds
     python bench/sweep_ppo.py --table_only                                               # re-read finished runs
 
 Runs go to ``--out/<recipe>-s<seed>`` (kept, so ``--table_only`` can redraw the table; a finished run is not run
@@ -15,7 +15,6 @@ again). The recipes run one after another: on a shared 2-core machine two at onc
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import shlex
@@ -24,6 +23,8 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from cli import ArgumentParser  # noqa: E402
 
 # Every flag of a recipe that issue 19 touched is spelled out, so that a recipe keeps its meaning when 3-PPO.py's
 # defaults change; the rest is the demo preset (20 iterations, learning rate 1e-4, 4 PPO epochs).
@@ -56,12 +57,12 @@ SWEEP_FLAGS = "--eval_every 20"
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--policy", default=os.path.join(ROOT, "checkpoints", "sft"), help="SFT checkpoint")
     p.add_argument("--reward", default=os.path.join(ROOT, "checkpoints", "rm"), help="reward model checkpoint")
     p.add_argument("--out", default=os.path.join(ROOT, "checkpoints", "sweep_ppo"), help="where the runs go")
     p.add_argument("--only", help="comma-separated recipe names (default: all): " + ", ".join(RECIPES))
-    p.add_argument("--seeds", default="1234", help="comma-separated seeds; each recipe runs once per seed")
+    p.add_argument("--seeds", default="1234", help="comma-separated integer seeds; each recipe runs once per seed")
     p.add_argument("--extra", default="", help="flags added to every run, e.g. \"--max_steps 10\"")
     p.add_argument("--table_only", action="store_true", help="run nothing, print the table of finished runs")
     return p.parse_args(argv)
@@ -124,8 +125,14 @@ def main(argv=None):
     names = args.only.split(",") if args.only else list(RECIPES)
     unknown = [n for n in names if n not in RECIPES]
     if unknown:
-        raise SystemExit(f"sweep_ppo: unknown recipe(s) {', '.join(unknown)}; choose from {', '.join(RECIPES)}")
-    seeds = [int(s) for s in args.seeds.split(",")]
+        print(f"error: --only: unknown recipe(s) {', '.join(unknown)}; choose from {', '.join(RECIPES)}",
+              file=sys.stderr)
+        return 2
+    try:
+        seeds = [int(s) for s in args.seeds.split(",")]
+    except ValueError:
+        print(f"error: --seeds {args.seeds!r} must be comma-separated integers, e.g. 1234,1", file=sys.stderr)
+        return 2
     if not args.table_only:
         os.makedirs(args.out, exist_ok=True)
         for name in names:

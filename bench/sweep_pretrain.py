@@ -1,9 +1,9 @@
 """Recipe sweep for the demo pretraining: short runs that print validation loss against tokens and seconds.
 
     .venv/bin/python bench/sweep_pretrain.py --list                    # the recipes and what each changes
-    .venv/bin/python bench/sweep_pretrain.py old new                   # run two of them, one after the other
+    .venv/bin/python bench/sweep_pretrain.py old demo                  # run two of them, one after the other
     .venv/bin/python bench/sweep_pretrain.py --group lr                # one group of the sweep (see --list)
-    .venv/bin/python bench/sweep_pretrain.py new --time_only           # tokens/s from 12 timed steps, no eval
+    .venv/bin/python bench/sweep_pretrain.py demo --time_only          # tokens/s from 12 timed steps, no eval
 
 Each recipe is the demo before this sweep (``old``: AdamW 2e-3, learned positions, 240 steps of 8 blocks of 256
 tokens, fp32) with a few values changed; ``demo`` is what 0-PRETRAIN's demo defaults and PRESETS["demo"] are now
@@ -345,7 +345,7 @@ def parse_args(argv=None):
     p.add_argument("--time_only", type=int, nargs="?", const=12, default=0,
                    help="only time this many steps (the first 2 untimed) and print tokens/s")
     p.add_argument("--eval_tokens", type=int, default=48 * 256,
-                   help="val predictions of the four evaluations during a run (the stage: 48 blocks of 256)")
+                   help="val predictions of the four evaluations during a run (the demo stage: 96 blocks of 128)")
     p.add_argument("--seed", type=int, default=1234, help="the stage's --seed")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's, one per core); on a machine shared "
                    "with other work, 1 thread wastes less time waiting for a busy core (the losses stay comparable)")
