@@ -498,6 +498,8 @@ class StageRun:
         self._tokens_at = self.tokens_seen  # tokens/s counts from here
         self.extra.update({k: trainer[k] for k in self.extra if k in trainer})
         self.metrics = MetricsLog.resume(os.path.join(self.args.output_dir, "metrics.jsonl"), self.step)
+        if self.metrics.rows:  # time_s goes on from the saved run's, as tokens_seen does (tokens/s stays true)
+            self.started -= self.metrics.rows[-1].get("time_s", 0.0)
         self.accelerator.print(f"resumed at step {self.step}")
 
     def steps(self):
