@@ -27,7 +27,7 @@ import torch
 from checkpoint import check_output_dir, load_backbone
 from chinese_tokenizer import EOS_ID, chat_prompt_ids, decode, load_tokenizer, until_eos
 from cli import UserError, default_path, fill_defaults, positive_int, run, stage_parser
-from corpus import ChatPairs, expand_files, length_grouped_batches, read_jsonl
+from corpus import ChatPairs, length_grouped_batches, read_chat_pairs
 from gpt_model import generate
 from training import (BatchSchedule, StageRun, evaluate_lm, make_accelerator, make_optimizer, markdown_table,
                       spread_subset)
@@ -66,11 +66,6 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     fill_defaults(args, DEFAULTS[args.preset])
     return args
-
-
-def read_pairs(patterns, what: str) -> list[dict]:
-    """Every {"prompt", "response"} row of the files matching ``patterns``, in file order."""
-    return [row for path in expand_files(patterns, what) for row in read_jsonl(path, ("prompt", "response"))]
 
 
 def pick_sample_rows(rows, count: int) -> list[int]:
@@ -129,8 +124,8 @@ def main(argv=None):
         raise UserError(f"--max_length {max_length} must be in 3..{cfg.context_length} (the model's positions)")
 
     # --- data: pairs -> [CLS] prompt [ANS] response [SEP] -> (inputs, response-only labels) ----------------------
-    train = ChatPairs(read_pairs(args.train_files, "--train_files"), tokenizer, max_length)
-    val = ChatPairs(read_pairs(args.val_files, "--val_files"), tokenizer, max_length)
+    train = ChatPairs(read_chat_pairs(args.train_files, "--train_files"), tokenizer, max_length)
+    val = ChatPairs(read_chat_pairs(args.val_files, "--val_files"), tokenizer, max_length)
     for pairs, what in ((train, "train"), (val, "val")):
         if pairs.truncation_warning(what):
             accelerator.print(pairs.truncation_warning(what))

@@ -187,18 +187,15 @@ def counting_baselines(tokenizer, pretrain: tuple, sft: tuple, rm: tuple, block_
          "naive_bayes_test_accuracy": the character naive Bayes' pair accuracy on the RM's test pairs}.
     """
     from chinese_tokenizer import VOCAB_SIZE
-    from corpus import ChatPairs, PackedBlocks, expand_files, load_text_documents, read_jsonl, read_preference_pairs
+    from corpus import ChatPairs, PackedBlocks, load_text_documents, read_chat_pairs, read_preference_pairs
     from training import spread_subset
 
     train = PackedBlocks(load_text_documents(pretrain[0], "--train_files"), tokenizer, block_len, "train")
     val = PackedBlocks(load_text_documents(pretrain[1], "--val_files"), tokenizer, block_len, "val")
     blocks = spread_subset(len(val), pretrain_eval_blocks)
 
-    def chat(patterns, what):
-        rows = [row for path in expand_files(patterns, what) for row in read_jsonl(path, ("prompt", "response"))]
-        return ChatPairs(rows, tokenizer, sft_max_length)
-
-    sft_train, sft_val = chat(sft[0], "--train_files"), chat(sft[1], "--val_files")
+    sft_train = ChatPairs(read_chat_pairs(sft[0], "--train_files"), tokenizer, sft_max_length)
+    sft_val = ChatPairs(read_chat_pairs(sft[1], "--val_files"), tokenizer, sft_max_length)
     responses = BigramLM.from_pairs(*chat_predictions(sft_train), VOCAB_SIZE)
     pairs_train = read_preference_pairs(rm[0], "--train_files")
     nb = NaiveBayes([c for _, c, _ in pairs_train], [r for _, _, r in pairs_train])

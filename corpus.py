@@ -84,6 +84,12 @@ def read_jsonl(path: str, fields: tuple[str, ...]) -> list[dict]:
     return rows
 
 
+def read_chat_pairs(patterns, what: str) -> list[dict]:
+    """Every {"prompt", "response"} row of the jsonl files matching ``patterns``, in file order (SFT's data, and
+    the SFT response bigram's). Raises ``UserError`` naming the file and line of a row without the two fields."""
+    return [row for path in expand_files(patterns, what) for row in read_jsonl(path, ("prompt", "response"))]
+
+
 def read_preference_pairs(patterns, what: str) -> list[tuple[str, str, str]]:
     """(prompt, chosen, rejected) triples from the jsonl files matching ``patterns``, in file order (the RM's and
     DPO's data). Raises ``UserError`` naming the file and line of a row without the three fields."""

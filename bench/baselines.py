@@ -69,17 +69,14 @@ def language_model(args) -> None:
 def sft_responses(args) -> None:
     from baselines import chat_predictions
     from chinese_tokenizer import VOCAB_SIZE, load_tokenizer
-    from corpus import ChatPairs, expand_files, read_jsonl
+    from corpus import ChatPairs, read_chat_pairs
     from training import spread_subset
 
     started = time.time()
     tokenizer = load_tokenizer(args.tokenizer)
 
-    def chat(patterns, what):
-        rows = [row for path in expand_files(patterns, what) for row in read_jsonl(path, ("prompt", "response"))]
-        return ChatPairs(rows, tokenizer, args.block_len)
-
-    train, val = chat(args.sft_train, "--sft_train"), chat(args.sft_val, "--sft_val")
+    train = ChatPairs(read_chat_pairs(args.sft_train, "--sft_train"), tokenizer, args.block_len)
+    val = ChatPairs(read_chat_pairs(args.sft_val, "--sft_val"), tokenizer, args.block_len)
     previous, target = chat_predictions(train)
     bigram = BigramLM.from_pairs(previous, target, VOCAB_SIZE)
     print(f"SFT responses: {len(train)} train pairs, {len(previous):,} response predictions; KN discount "

@@ -86,10 +86,11 @@ M2 = replace(MUON, embedding_lr_scale=30.0)
 M3 = replace(M2, position_embedding="rope")
 M4 = replace(M3, bf16=True)
 M5 = replace(M4, batch_size=16, block_len=128)
+DEMO = replace(M5, steps=480, warmup=40)  # 0-PRETRAIN's demo defaults today: m5 for twice the tokens
 # name -> (group, recipe). Groups are steps of the sweep; each changes one thing against its group's reference.
 RECIPES = {
     "old": ("base", OLD),
-    "demo": ("base", replace(M5, steps=480, warmup=40, note="0-PRETRAIN's demo defaults today (= m5-2x)")),
+    "demo": ("base", DEMO),
     "old-bf16": ("base", replace(OLD, bf16=True, note="the old demo under bf16 autocast")),
     # peak learning rate and schedule (AdamW)
     "lr1e-3": ("lr", replace(OLD, lr=1e-3)),
@@ -167,7 +168,7 @@ RECIPES = {
     # on top of m4 with 16 blocks of 128 tokens per step (the best of m4): context, length, betas
     "m5-ctx64": ("m5", replace(M5, batch_size=32, block_len=64)),
     "m5-betas0.8": ("m5", replace(M5, betas=(0.8, 0.95))),
-    "m5-2x": ("m5", replace(M5, steps=480, warmup=40)),
+    "m5-2x": ("m5", DEMO),
     "m5-3x": ("m5", replace(M5, steps=720, warmup=60)),
     "m5-b32-2x": ("m5", replace(M5, batch_size=32, steps=240, warmup=20)),
     # model shape: a narrower or shallower model computes more tokens per second (the 21128-row head is most of
