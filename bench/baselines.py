@@ -39,6 +39,8 @@ def parse_args(argv=None):
     p.add_argument("--sft_val", nargs="+", default=[default_path("data", "sft", "val.jsonl")],
                    help="pairs whose response tokens are scored")
     p.add_argument("--sft_eval_examples", type=positive_int, default=200, help="1-SFT's --eval_examples")
+    p.add_argument("--sft_max_length", type=positive_int, default=256,
+                   help="1-SFT's --max_length (the demo model's context_length): longer pairs are cut as SFT cuts them")
     p.add_argument("--rm_train", default=default_path("data", "rm", "train.jsonl"),
                    help="{prompt, chosen, rejected} pairs the naive Bayes is counted on")
     p.add_argument("--rm_test", default=default_path("data", "rm", "test.jsonl"), help="pairs scored")
@@ -75,8 +77,8 @@ def sft_responses(args) -> None:
     started = time.time()
     tokenizer = load_tokenizer(args.tokenizer)
 
-    train = ChatPairs(read_chat_pairs(args.sft_train, "--sft_train"), tokenizer, args.block_len)
-    val = ChatPairs(read_chat_pairs(args.sft_val, "--sft_val"), tokenizer, args.block_len)
+    train = ChatPairs(read_chat_pairs(args.sft_train, "--sft_train"), tokenizer, args.sft_max_length)
+    val = ChatPairs(read_chat_pairs(args.sft_val, "--sft_val"), tokenizer, args.sft_max_length)
     previous, target = chat_predictions(train)
     bigram = BigramLM.from_pairs(previous, target, VOCAB_SIZE)
     print(f"SFT responses: {len(train)} train pairs, {len(previous):,} response predictions; KN discount "
