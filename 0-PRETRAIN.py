@@ -91,8 +91,11 @@ def main(argv=None):
 
     # --- data: documents -> tokens -> blocks of block_len next-token predictions ---------------------------------
     with accelerator.main_process_first():  # the first process fills the datasets cache, the others reuse it
-        train = PackedBlocks(load_text_documents(args.train_files, "--train_files"), tokenizer, block_len, "train")
-        val = PackedBlocks(load_text_documents(args.val_files, "--val_files"), tokenizer, block_len, "val")
+        # documents start as the model's did in training: with [CLS] for uer's weights, with nothing for ours
+        train = PackedBlocks(load_text_documents(args.train_files, "--train_files"), tokenizer, block_len, "train",
+                             model.cfg.bos_id)
+        val = PackedBlocks(load_text_documents(args.val_files, "--val_files"), tokenizer, block_len, "val",
+                           model.cfg.bos_id)
     eval_blocks = spread_subset(len(val), args.eval_examples)  # a fixed subset keeps each evaluation short
     schedule = BatchSchedule(len(train), args.batch_size, args.gradient_accumulation_steps,
                              accelerator.num_processes, args.seed)

@@ -124,13 +124,16 @@ class PackedBlocks:
     """Documents tokenized, separated by ``[SEP]`` and cut into next-token blocks of ``block_len`` predictions.
 
     ``len(blocks)`` is the number of blocks; ``blocks[i]`` is ``(input_ids, labels)``, two (block_len,) int64
-    tensors, labels shifted by one.
+    tensors, labels shifted by one. With ``bos_id`` (the model's ``cfg.bos_id``, e.g. [CLS] for uer's weights)
+    every document also starts with that token, as the model saw its documents in training.
     """
 
-    def __init__(self, documents, tokenizer, block_len: int, what: str = "data"):
+    def __init__(self, documents, tokenizer, block_len: int, what: str = "data", bos_id: int | None = None):
+        start = [] if bos_id is None else [bos_id]
+
         def tokenize(batch):
             ids = tokenizer(batch["text"], add_special_tokens=False)["input_ids"]
-            return {"input_ids": [doc + [SEP_ID] for doc in ids]}
+            return {"input_ids": [start + doc + [SEP_ID] for doc in ids]}
 
         tokenized = documents.map(tokenize, batched=True, remove_columns=documents.column_names,
                                   desc=f"tokenizing {what}")

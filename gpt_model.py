@@ -38,6 +38,9 @@ class GPTConfig:
     norm: str = "layernorm"  # or "rmsnorm"
     position_embedding: str = "learned"  # or "rope"
     attention: str = "sdpa"  # fused torch kernel; "math" runs the explicit softmax(QK^T/sqrt(d_h))V reference
+    # the token every training document started with, which a prompt to continue must start with too: uer's Chinese
+    # GPT-2 was trained on "[CLS] text [SEP]" (101); our own pretraining joins documents with [SEP] alone (None)
+    bos_id: int | None = None
 
     def __post_init__(self):
         for name in ("vocab_size", "context_length", "emb_dim", "n_heads", "n_layers"):
@@ -55,6 +58,8 @@ class GPTConfig:
             raise ValueError("rope needs an even head dimension (emb_dim / n_heads)")
         if self.attention not in ("sdpa", "math"):
             raise ValueError(f"attention must be 'sdpa' or 'math', got {self.attention!r}")
+        if self.bos_id is not None and not 0 <= self.bos_id < self.vocab_size:
+            raise ValueError(f"bos_id must be a token id in 0..{self.vocab_size - 1} or None, got {self.bos_id}")
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -273,15 +278,32 @@ class MultiHeadAttention(nn.Module):
             # several new tokens after cached ones, no padding: causal among the new, all cached keys visible
             visible = causal_mask(num_tokens, keys.shape[2], x.device)
         if self.use_sdpa:
-            context = F.scaled_dot_product_attention(
-                queries, keys, values, attn_mask=visible, is_causal=causal_only,
-                dropout_p=self.dropout.p if self.training else 0.0)  # (B, H, T, d_h)
+            context = fused_attention(queries, keys, values, visible, causal_only,
+                                      self.dropout.p if self.training else 0.0)  # (B, H, T, d_h)
         else:
             if causal_only:
                 visible = causal_mask(num_tokens, num_tokens, x.device)
             context = attention_reference(queries, keys, values, visible, self.dropout)  # (B, H, T, d_h)
         context = context.transpose(1, 2).reshape(b, num_tokens, self.d_out)  # (B, T, E)
         return self.out_proj(context)  # (B, T, E)
+
+
+def fused_attention(queries, keys, values, visible=None, is_causal: bool = False, dropout_p: float = 0.0):
+    """``F.scaled_dot_product_attention`` (PyTorch's fused kernels), computed in fp32 on the CPU when autocast has
+    made q, k, v bf16. PyTorch's CPU flash-attention kernel is 3-4x slower in bf16 than in fp32 at the demo's
+    shapes, forward and backward (``bench/bench_attention.py``), so the upcast makes bf16 training faster and the
+    softmax more exact; GPUs keep their bf16 kernels.
+
+    Args as ``attention_reference`` (``visible``: bool, True = may attend) plus ``is_causal`` for a plain causal
+    pass without a mask. Returns (B, H, Tq, d_h) in the dtype of ``queries``.
+    """
+    if queries.device.type == "cpu" and queries.dtype == torch.bfloat16:
+        with torch.autocast("cpu", enabled=False):
+            context = F.scaled_dot_product_attention(queries.float(), keys.float(), values.float(), attn_mask=visible,
+                                                     is_causal=is_causal, dropout_p=dropout_p)
+        return context.to(queries.dtype)
+    return F.scaled_dot_product_attention(queries, keys, values, attn_mask=visible, is_causal=is_causal,
+                                          dropout_p=dropout_p)
 
 
 def causal_mask(num_queries: int, num_keys: int, device=None):
@@ -596,7 +618,8 @@ def generate(model, idx, max_new_tokens, context_size, temperature=0.0, top_k=No
     filtering (using torch's global RNG: seed it for repeatable samples). Runs with the KV cache while the
     sequence fits in ``context_size`` positions; past that it slides a window over the last ``context_size``
     tokens (recomputing the window each step, as the walkthrough's cache-less loop would). A prompt longer than
-    ``context_size`` keeps its last ``context_size`` tokens.
+    ``context_size`` keeps its last ``context_size`` tokens. ``context_size`` beyond the model's own
+    ``cfg.context_length`` is clamped to it: the model has no positions past it.
 
     Rows of different lengths go in one batch left-padded, with ``attention_mask`` (B, T) marking real tokens;
     each row gets what it would get alone. When ``eos_id`` is given, a row that emits it is finished and is
@@ -605,7 +628,9 @@ def generate(model, idx, max_new_tokens, context_size, temperature=0.0, top_k=No
     train/eval mode is restored at the end).
 
     Raises:
-        ValueError: negative ``temperature``, ``repetition_penalty`` <= 0, or bad ``top_k``/``top_p``.
+        ValueError: negative ``temperature``, ``repetition_penalty`` <= 0, bad ``top_k``/``top_p``,
+            ``context_size`` < 1, or an ``eos_id`` that is not a token of the model's vocabulary (it could never
+            be sampled, so generation would never stop).
     """
     if idx.shape[1] == 0:
         raise ValueError("the prompt is empty: give at least one token (e.g. [CLS]) to continue from")
@@ -614,6 +639,14 @@ def generate(model, idx, max_new_tokens, context_size, temperature=0.0, top_k=No
     if repetition_penalty <= 0:
         raise ValueError(f"repetition_penalty must be > 0, got {repetition_penalty}")
     model = unwrap_compiled(model)  # a compiled wrapper would recompile for every new length
+    if context_size < 1:
+        raise ValueError(f"context_size must be >= 1, got {context_size}")
+    cfg = getattr(model, "cfg", None)
+    if cfg is not None:
+        context_size = min(context_size, cfg.context_length)  # a longer window would fail once the text outgrows it
+        if eos_id is not None and not 0 <= eos_id < cfg.vocab_size:
+            raise ValueError(f"eos_id {eos_id} is not a token of this model (vocabulary 0..{cfg.vocab_size - 1}); "
+                             f"give the id of its end-of-text token, e.g. [SEP] = 102 for BERT-Chinese")
     # inference mode: no autograd bookkeeping at all (faster than no_grad); the result is cloned out of it
     # so that callers may train on the generated ids (PPO does)
     with torch.inference_mode():

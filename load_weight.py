@@ -157,10 +157,13 @@ def gpt_config_from_hf(hf: dict, qkv_bias: bool, where: str) -> GPTConfig:
         raise UserError(f"{where}: scale_attn_weights must be true and scale_attn_by_inverse_layer_idx and "
                         f"add_cross_attention false (plain GPT-2 attention); this variant cannot be loaded")
     try:
+        # GPT-2s on the BERT-Chinese vocabulary (uer's) were trained on "[CLS] text [SEP]": their prompts and
+        # documents start with [CLS]; OpenAI's join documents with <|endoftext|>, a token our tokenizer lacks
         return GPTConfig(vocab_size=hf["vocab_size"], context_length=hf["n_positions"], emb_dim=hf["n_embd"],
                          n_heads=hf["n_head"], n_layers=hf["n_layer"], drop_rate=float(hf["resid_pdrop"]),
                          qkv_bias=qkv_bias, tie_embeddings=bool(hf["tie_word_embeddings"]),
-                         layer_norm_eps=float(hf["layer_norm_epsilon"]))
+                         layer_norm_eps=float(hf["layer_norm_epsilon"]),
+                         bos_id=CLS_ID if hf["vocab_size"] == VOCAB_SIZE else None)
     except (TypeError, ValueError) as e:
         raise UserError(f"{where}: {e}; the config does not describe a usable GPT-2") from e
 

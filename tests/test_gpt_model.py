@@ -715,6 +715,28 @@ def test_context_size_smaller_than_the_model():
     assert torch.equal(gm.generate(model, prompt, 12, 8), cacheless_greedy(model, prompt, 12, 8))
 
 
+def test_context_size_larger_than_the_model_is_clamped():
+    """context_size past the model's 16 positions used to stream tokens and then fail once the text passed 16; now
+    it is clamped: the same ids as context_size 16, also for a prompt that already fills the context."""
+    model = random_model(small_cfg(), seed=12)
+    for length in (3, 16):
+        prompt = torch.randint(0, 61, (2, length), generator=torch.Generator().manual_seed(7))
+        assert torch.equal(gm.generate(model, prompt, 20, 64), cacheless_greedy(model, prompt, 20, 16))
+
+
+def test_eos_id_outside_the_vocabulary_is_refused():
+    """GPT-2's 50256 in a 61-token model could never be sampled, so generation would never stop: a ValueError
+    naming the id and the vocabulary, before any token."""
+    model = random_model(small_cfg(), seed=12)
+    prompt = torch.zeros(1, 2, dtype=torch.long)
+    for eos in (50256, 61, -1):
+        with pytest.raises(ValueError, match=rf"eos_id {eos} is not a token of this model \(vocabulary 0..60\)"):
+            gm.generate(model, prompt, 5, 16, eos_id=eos)
+    with pytest.raises(ValueError, match="context_size must be >= 1"):
+        gm.generate(model, prompt, 5, 0)
+    assert gm.generate(model, prompt, 5, 16, eos_id=60).shape[1] <= 7  # the last id is a token
+
+
 def test_temperature_zero_is_argmax():
     """One greedy step appends the argmax of the last position's logits."""
     model = random_model(small_cfg(), seed=13)

@@ -160,13 +160,14 @@ def test_config_fields_are_read(tmp_path):
     assert (cfg.vocab_size, cfg.context_length, cfg.emb_dim, cfg.n_heads, cfg.n_layers) == (500, CTX, EMB, HEADS,
                                                                                            LAYERS)
     assert (cfg.layer_norm_eps, cfg.drop_rate, cfg.qkv_bias, cfg.tie_embeddings) == (1e-3, 0.05, True, False)
+    assert cfg.bos_id is None  # not the BERT-Chinese vocabulary: no [CLS] convention to follow
 
 
 def test_uer_style_bin_keeps_tied_head_and_ignores_buffers(uer_like):
     hf, directory = uer_like
     ours = load_weight.load_hf_gpt2(directory)
     assert ours.cfg == GPTConfig(vocab_size=21128, context_length=CTX, emb_dim=EMB, n_heads=HEADS, n_layers=LAYERS,
-                                 drop_rate=0.0, qkv_bias=True, tie_embeddings=True)
+                                 drop_rate=0.0, qkv_bias=True, tie_embeddings=True, bos_id=101)  # uer: [CLS] text
     assert ours.out_head.weight is ours.tok_emb.weight
     torch.testing.assert_close(ours.tok_emb.weight, hf.transformer.wte.weight, atol=0, rtol=0)
     assert not ours.training
@@ -452,6 +453,7 @@ def test_pretrain_starts_from_hf_weights(tmp_path, uer_like):
     model, _, config = load_checkpoint(str(out))
     assert config["parent"] == os.path.abspath(directory) and config["step"] == 2
     assert model.cfg.context_length == CTX and model.cfg.qkv_bias
+    assert model.cfg.bos_id == 101  # uer's documents start with [CLS]: its pretraining, generation and SFT keep it
     ids = sample_ids(21128, 2, CTX)
     with torch.no_grad():
         torch.testing.assert_close(model(ids)["logits"], hf(ids).logits, atol=1e-4, rtol=1e-4)

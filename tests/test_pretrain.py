@@ -63,6 +63,17 @@ def test_packing_joins_documents_with_sep_and_shifts_by_one(tokenizer, tmp_path)
     assert x.tolist() == expected[3:6] and y.tolist() == expected[4:7]
 
 
+def test_packing_starts_each_document_with_the_models_bos(tokenizer, tmp_path):
+    """For weights trained on "[CLS] text [SEP]" (uer's: cfg.bos_id 101) every document starts with [CLS] too;
+    before, --init_from_hf packed them as our own pretraining does, with no [CLS]."""
+    path = tmp_path / "docs.jsonl"
+    path.write_text('{"text": "你好"}\n{"text": "世界和平"}\n', encoding="utf-8")
+    blocks = PackedBlocks(load_text_documents([str(path)], "test"), tokenizer, block_len=3, bos_id=101)
+    expected = [101] + tokenizer.convert_tokens_to_ids(list("你好")) + [102, 101] + \
+        tokenizer.convert_tokens_to_ids(list("世界和平")) + [102]
+    assert blocks.tokens.tolist() == expected
+
+
 def test_txt_documents_are_split_on_blank_lines(tmp_path):
     (tmp_path / "a.txt").write_text("第一段\n第二行\n\n\n第二篇\r\n", encoding="utf-8")
     docs = load_text_documents([str(tmp_path / "a.txt")], "test")["text"]
