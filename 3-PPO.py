@@ -36,9 +36,9 @@ import torch
 import torch.nn as nn
 from safetensors.torch import load_model, save_model
 
-from alignment import (ROLLOUT_MONITORS, as_val_row, describe, from_val_row, held_out_monitors,
-                       load_policy_and_reward, masked_mean, monitors_of, penalise_unfinished, read_prompts, rollout,
-                       rounded, token_logprobs, write_samples)
+from alignment import (KL_LIMIT, ROLLOUT_MONITORS, add_held_out_arguments, as_val_row, describe, from_val_row,
+                       held_out_monitors, load_policy_and_reward, masked_mean, monitors_of, penalise_unfinished,
+                       read_prompts, rollout, rounded, token_logprobs, write_samples)
 from checkpoint import check_output_dir
 from chinese_tokenizer import load_tokenizer
 from cli import default_path, fill_defaults, non_negative_float, positive_float, positive_int, run, stage_parser
@@ -47,15 +47,16 @@ from judge import SentimentJudge, reward_hacking_flag
 from training import (BatchSchedule, StageRun, make_accelerator, make_optimizer,
                       mean_over_processes)
 
-DEFAULT_TARGET_KL = 3.0  # nats per response: the KL controller's target, and the flag's budget when beta is fixed
+DEFAULT_TARGET_KL = KL_LIMIT  # nats per response: the KL controller's target, and the flag's budget when beta is fixed
 # max_steps = PPO iterations; batch_size = sequences per update micro-batch; rollout_size = prompts per iteration;
 # kl_horizon = samples over which the KL controller corrects beta; eval_samples = samples per held-out prompt
 DEFAULTS = {
     "tiny": dict(max_steps=4, rollout_size=8, batch_size=4, learning_rate=1e-4, warmup_steps=0, eval_every=2,
                  eval_examples=8, max_new_tokens=16, kl_horizon=32, eval_samples=2, kl_coef=0.05),
-    # demo: beta starts at 2 (bench/sweep_ppo.py: from 0.05 to 1 the policy passed 3 nats of KL, and repetition
-    # rose, before the controller could raise beta; at 2 it stays near 2 nats and gains about 2 RM points)
-    "demo": dict(max_steps=20, rollout_size=16, batch_size=8, learning_rate=1e-4, warmup_steps=2, eval_every=10,
+    # demo: beta starts at 2 (bench/sweep_align.py: from 0.05 to 1 the policy passed 3 nats of KL, and repetition
+    # rose, before the controller could raise beta; at 2 it stays near 2 nats and gains about 2 RM points); the
+    # held-out monitors only before and after (eval_every 20): each measurement takes about 12 s of the pipeline
+    "demo": dict(max_steps=20, rollout_size=16, batch_size=8, learning_rate=1e-4, warmup_steps=2, eval_every=20,
                  eval_examples=48, max_new_tokens=40, kl_horizon=64, eval_samples=4, kl_coef=2.0),
     "gpt2-zh-small": dict(max_steps=400, rollout_size=64, batch_size=16, learning_rate=1e-5, warmup_steps=10,
                           eval_every=50, eval_examples=200, max_new_tokens=64, save_every=50, kl_horizon=2560,
@@ -70,14 +71,10 @@ def parse_args(argv=None):
     p = stage_parser("Stage 3: PPO against the reward model with a KL penalty to the SFT model.",
                      default_path("checkpoints", "ppo"), DEFAULTS)
     p.add_argument("--policy", default=default_path("checkpoints", "sft"), help="SFT checkpoint: policy and reference")
-    p.add_argument("--reward", default=default_path("checkpoints", "rm"), help="reward model checkpoint (2-RM.py)")
     p.add_argument("--prompts_file", default=default_path("data", "ppo", "prompts.jsonl"),
                    help='.jsonl lines with a "prompt" (and "split": "train"/"test"): what the policy answers')
-    p.add_argument("--val_prompts_file", default=default_path("data", "ppo", "val_prompts.jsonl"),
-                   help="held-out prompts: the monitors (RM score, judge, KL, ...) before and after PPO")
+    add_held_out_arguments(p, "PPO")
     p.add_argument("--rollout_size", type=positive_int, help="prompts sampled per iteration (per process)")
-    p.add_argument("--max_new_tokens", type=positive_int, help="longest response")
-    p.add_argument("--temperature", type=positive_float, default=1.0, help="rollout sampling temperature")
     p.add_argument("--ppo_epochs", type=positive_int, default=4, help="passes over each rollout batch")
     p.add_argument("--kl_coef", type=non_negative_float,
                    help="beta, the weight of the per-token KL penalty, at the start (see --target_kl; default: the "
@@ -93,7 +90,6 @@ def parse_args(argv=None):
     p.add_argument("--max_approx_kl", type=non_negative_float, default=0.02,
                    help="stop an iteration's PPO epochs once the mean approximate KL between the sampling policy and "
                         "the updated one passes this many nats per token (0: never stop early)")
-    p.add_argument("--eval_samples", type=positive_int, help="sampled responses per held-out prompt for the monitors")
     p.add_argument("--gamma", type=float, default=1.0, help="discount")
     p.add_argument("--lam", type=float, default=0.95, help="GAE lambda")
     p.add_argument("--cliprange", type=positive_float, default=0.2, help="PPO ratio clip epsilon")
@@ -283,7 +279,7 @@ def main(argv=None):
                          val_score_gain=ppo["rm_score"] - sft["rm_score"], kl=ppo["kl"], kl_limit=kl_limit,
                          held_out={"sft": rounded(sft), "ppo": rounded(ppo)}, reward_hacking=flag,
                          held_out_settings={"prompts": val_prompts, "samples_per_prompt": args.eval_samples,
-                                            "temperature": args.temperature, "max_new_tokens": args.max_new_tokens})
+                                            "temperature": 1.0, "max_new_tokens": args.max_new_tokens})
     stage.files["samples.md"] = lambda path: write_samples(path, examples[::args.eval_samples][:12])
     if flag:
         stage.print(flag)

@@ -9,7 +9,8 @@
   length, ``[SEP]`` share and repetition, see ``judge.py``), their metrics-row names (``as_val_row``,
   ``from_val_row``), ``describe`` for the console and ``write_samples`` for samples.md.
 
-* set-up of the online stages (PPO, GRPO): ``read_prompts`` and ``load_policy_and_reward``.
+* set-up: ``add_held_out_arguments`` (the flags of the held-out monitors, the same in all three stages),
+  ``read_prompts`` and ``load_policy_and_reward``.
 
 The stage-specific maths (PPO's GAE and clipped losses, DPO's loss, GRPO's group advantages) stays in each stage.
 """
@@ -22,7 +23,7 @@ import torch
 
 from checkpoint import load_backbone, load_checkpoint
 from chinese_tokenizer import EOS_ID, chat_prompt_ids, decode
-from cli import UserError
+from cli import UserError, default_path, positive_int
 from corpus import pad_left, read_jsonl
 from gpt_model import generate
 from judge import summarize
@@ -92,7 +93,8 @@ def sample_responses(policy, prompts, tokenizer, args, context_length, device):
     room = context_length - args.max_new_tokens  # the prompt keeps its last tokens so the whole sequence fits
     batch = pad_left([chat_prompt_ids(p, tokenizer, room) for p in prompts])
     query, query_mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)  # (B, P)
-    sequences = generate(policy, query, args.max_new_tokens, context_length, temperature=args.temperature,
+    # temperature 1: the samples come from the policy itself, whose log-probs the updates and the KL use
+    sequences = generate(policy, query, args.max_new_tokens, context_length, temperature=1.0,
                          eos_id=EOS_ID, attention_mask=query_mask)  # (B, P + R)
     P = query.shape[1]
     response_mask = response_mask_after(sequences[:, P:], EOS_ID)  # (B, R)
@@ -145,16 +147,19 @@ def monitors_of(batches, judge, tokenizer):
                      entropy.item()), texts
 
 
+HELD_OUT_BATCH = 16  # responses per batch of the held-out monitors, the same in every stage
+
+
 @torch.no_grad()
 def held_out_monitors(policy, ref, reward_model, judge, prompts, tokenizer, args, context_length, device, seed):
-    """The monitors of ``args.eval_samples`` sampled responses per held-out prompt, with a fixed seed (so SFT and
-    PPO policies are compared on the same draws of randomness), and every (prompt, response, RM score) for
-    samples.md. Each batch holds ``rollout_size`` responses, as in training."""
+    """The monitors of ``args.eval_samples`` sampled responses per held-out prompt, with a fixed seed and batches of
+    ``HELD_OUT_BATCH`` (so the SFT policy and every aligned one, PPO, DPO or GRPO, are compared on the same draws of
+    randomness), and every (prompt, response, RM score) for samples.md."""
     flat = [p for p in prompts for _ in range(args.eval_samples)]
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        batches = [rollout(policy, ref, None, reward_model, flat[start:start + args.rollout_size], tokenizer, args,
-                           context_length, device) for start in range(0, len(flat), args.rollout_size)]
+        batches = [rollout(policy, ref, None, reward_model, flat[start:start + HELD_OUT_BATCH], tokenizer, args,
+                           context_length, device) for start in range(0, len(flat), HELD_OUT_BATCH)]
     monitors, texts = monitors_of(batches, judge, tokenizer)
     scores = torch.cat([data["scores"] for data in batches]).tolist()
     examples = [{"prompt": p, "response": t, "score": round(s, 3)} for p, t, s in zip(flat, texts, scores)]
@@ -162,6 +167,7 @@ def held_out_monitors(policy, ref, reward_model, judge, prompts, tokenizer, args
 
 
 ROLLOUT_MONITORS = ("judge", "kl", "entropy", "length", "eos_share", "distinct_2", "longest_run")
+KL_LIMIT = 3.0  # nats per response: past it the held-out comparison raises the reward-hacking flag (every stage)
 
 
 def as_val_row(monitors: dict) -> dict:
@@ -199,12 +205,30 @@ def write_samples(path, examples):
                                [(e["prompt"], e["response"], e["score"]) for e in examples]))
 
 
+def add_held_out_arguments(p, stage: str) -> None:
+    """The flags of the held-out monitors, one definition for PPO, DPO and GRPO so that all three are measured
+    alike: the RM that scores (``--reward``), the held-out prompts and how their answers are sampled. There is no
+    ``--temperature``: every stage samples from the policy itself (temperature 1), because the log-probs it trains
+    on and the KL it reports are those of the policy; sampling at another temperature would score one
+    distribution and train another."""
+    p.add_argument("--reward", default=default_path("checkpoints", "rm"),
+                   help="reward model checkpoint (2-RM.py)" + (
+                       "" if stage != "DPO" else ": it scores the held-out answers only, DPO never trains on it"))
+    p.add_argument("--val_prompts_file", default=default_path("data", "ppo", "val_prompts.jsonl"),
+                   help=f"held-out prompts: the monitors (RM score, judge, KL, ...) before and after {stage}")
+    p.add_argument("--eval_samples", type=positive_int, help="sampled responses per held-out prompt for the monitors")
+    p.add_argument("--max_new_tokens", type=positive_int, help="longest response")
+
+
+def read_val_prompts(args) -> list[str]:
+    """The first ``--eval_examples`` held-out prompts of ``--val_prompts_file``; ``UserError`` names a bad line."""
+    return [r["prompt"] for r in read_jsonl(args.val_prompts_file, ("prompt",))][:args.eval_examples]
+
+
 def read_prompts(args) -> tuple[list[str], list[str]]:
     """The prompts the policy practises on (``--prompts_file``) and the first ``--eval_examples`` held-out ones
     (``--val_prompts_file``) that measure it. Raises ``UserError`` naming a bad file and line."""
-    prompts = [r["prompt"] for r in read_jsonl(args.prompts_file, ("prompt",))]
-    val_prompts = [r["prompt"] for r in read_jsonl(args.val_prompts_file, ("prompt",))][:args.eval_examples]
-    return prompts, val_prompts
+    return [r["prompt"] for r in read_jsonl(args.prompts_file, ("prompt",))], read_val_prompts(args)
 
 
 def load_policy_and_reward(args, tokenizer, device):

@@ -64,19 +64,22 @@ DPO_RECIPES = {
     "beta0.5-60steps-lr3e-5": flags(beta=0.5, max_steps=60, learning_rate=3e-5),
     "ipo-beta0.5-60steps": flags(loss="ipo", beta=0.5, max_steps=60),
 }
-# GRPO (demo: 20 iterations of 4 prompts x 8 samples, learning rate 5e-5): the KL weight and the rate
+# GRPO (4 prompts x 8 samples an iteration): the KL weight, the rate and the length, each spelled out
 GRPO_RECIPES = {
-    "kl0.04": flags(kl_coef=0.04),
-    "kl0.1": flags(kl_coef=0.1),
-    "kl0.2": flags(kl_coef=0.2),
-    "kl0.04-lr3e-5": flags(kl_coef=0.04, learning_rate=3e-5),
-    "kl0.1-lr3e-5": flags(kl_coef=0.1, learning_rate=3e-5),
-    "kl0.04-15it": flags(kl_coef=0.04, max_steps=15),
+    "kl0.04": flags(kl_coef=0.04, learning_rate=5e-5, max_steps=20),
+    "kl0.1": flags(kl_coef=0.1, learning_rate=5e-5, max_steps=20),
+    "kl0.2": flags(kl_coef=0.2, learning_rate=5e-5, max_steps=20),
+    "kl0.04-lr3e-5": flags(kl_coef=0.04, learning_rate=3e-5, max_steps=20),
+    "kl0.1-lr3e-5": flags(kl_coef=0.1, learning_rate=3e-5, max_steps=20),
+    "kl0.04-15it": flags(kl_coef=0.04, learning_rate=5e-5, max_steps=15),
+    "kl0.04-lr3e-5-30it": flags(kl_coef=0.04, learning_rate=3e-5, max_steps=30),
+    "kl0.1-lr4e-5": flags(kl_coef=0.1, learning_rate=4e-5, max_steps=20),
+    "kl0.2-lr3e-5": flags(kl_coef=0.2, learning_rate=3e-5, max_steps=20),
 }
 RECIPES = {"ppo": PPO_RECIPES, "dpo": DPO_RECIPES, "grpo": GRPO_RECIPES}
 SCRIPTS = {"ppo": "3-PPO.py", "dpo": "3-DPO.py", "grpo": "3-GRPO.py"}
-# added to every run: the held-out monitors only before and after the run (the demo's PPO and GRPO also measure
-# halfway; that evaluation runs under its own fixed seed and changes nothing else), DPO's val pairs only at the end
+# added to every run: the held-out monitors and DPO's val pairs only before and after the run, as in the demo (a
+# measurement in between runs under its own fixed seed and would change nothing else)
 SWEEP_FLAGS = "--eval_every 1000"
 
 

@@ -76,3 +76,32 @@ def tiny_pretrain_checkpoint(tmp_path_factory, tiny_corpus, tokenizer):
                         "--output_dir", out)
     assert result.returncode == 0, result.stderr[-2000:]
     return out
+
+
+@pytest.fixture(scope="session")
+def tiny_policy_and_rm(tmp_path_factory, tiny_pretrain_checkpoint, tokenizer):
+    """The tiny pretrain checkpoint as the policy of the alignment stages (it stands in for SFT), and a reward model
+    whose backbone is that checkpoint and whose head is freshly initialised."""
+    import torch
+
+    from checkpoint import load_checkpoint, save_checkpoint
+    from gpt_model import RewardModel
+
+    policy, _, _ = load_checkpoint(str(tiny_pretrain_checkpoint), "gpt")
+    torch.manual_seed(0)
+    rm = RewardModel(policy.cfg)
+    rm.backbone.load_state_dict(policy.state_dict())
+    path = tmp_path_factory.mktemp("align_rm") / "rm"
+    save_checkpoint(str(path), rm, tokenizer, {"stage": "rm"})
+    return tiny_pretrain_checkpoint, path
+
+
+@pytest.fixture(scope="session")
+def prompts(tmp_path_factory):
+    """Four prompts as .jsonl lines: what the online stages practise on, and the held-out prompts of all three."""
+    import json
+
+    path = tmp_path_factory.mktemp("align_prompts") / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": p}, ensure_ascii=False) + "\n"
+                            for p in ("写一条好评：", "写一条差评：", "今天天气", "明月")), encoding="utf-8")
+    return path

@@ -57,15 +57,17 @@ def pairs(tmp_path_factory):
                                                                                            easy_pairs(16, 1))}
 
 
-def dpo_args(pairs, policy, out, *extra):
-    return ["--preset", "tiny", "--policy", str(policy), "--train_files", pairs["train"], "--val_files",
-            pairs["val"], "--output_dir", str(out), "--max_steps", "8", "--eval_every", "4", *map(str, extra)]
+def dpo_args(pairs, models, prompts, out, *extra):
+    policy, rm = models
+    return ["--preset", "tiny", "--policy", str(policy), "--reward", str(rm), "--val_prompts_file", str(prompts),
+            "--train_files", pairs["train"], "--val_files", pairs["val"], "--output_dir", str(out), "--max_steps", "8",
+            "--eval_every", "4", "--max_new_tokens", "8", *map(str, extra)]
 
 
 @pytest.mark.slow
-def test_dpo_learns_an_easy_preference_and_writes_a_gpt(tmp_path, pairs, tiny_pretrain_checkpoint):
+def test_dpo_learns_an_easy_preference_and_writes_a_gpt(tmp_path, pairs, tiny_policy_and_rm, prompts):
     out = tmp_path / "dpo"
-    assert DPO.main(dpo_args(pairs, tiny_pretrain_checkpoint, out, "--learning_rate", "1e-3")) == 0
+    assert DPO.main(dpo_args(pairs, tiny_policy_and_rm, prompts, out, "--learning_rate", "1e-3")) == 0
     config = json.loads((out / "config.json").read_text(encoding="utf-8"))
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text(encoding="utf-8").splitlines()]
     assert config["stage"] == "dpo" and config["model_type"] == "gpt" and config["beta"] == 0.1
@@ -73,14 +75,39 @@ def test_dpo_learns_an_easy_preference_and_writes_a_gpt(tmp_path, pairs, tiny_pr
     assert config["metrics"]["val_accuracy"] > 0.8 and config["metrics"]["val_margin"] > 0
     assert config["metrics"]["val_loss"] < math.log(2)
     model, _, _ = load_checkpoint(str(out), "gpt")  # generate.py and the report read it as any language model
-    assert (out / "curves.png").is_file() and not (out / "state").exists()
+    assert (out / "curves.png").is_file() and (out / "samples.md").is_file() and not (out / "state").exists()
+    # the held-out monitors PPO and GRPO report: the SFT policy before (its own reference: KL 0) and DPO after
+    held = config["metrics"]["held_out"]
+    assert set(held) == {"sft", "dpo"} and {"rm_score", "judge", "kl", "distinct_2", "eos_share"} <= set(held["dpo"])
+    assert held["sft"]["kl"] == pytest.approx(0.0, abs=1e-6) and held["dpo"]["kl"] > 0
+    assert "loss" not in held["sft"] and "accuracy" not in held["sft"]  # pair metrics are not held-out monitors
+    assert config["metrics"]["kl"] == pytest.approx(held["dpo"]["kl"], abs=1e-4)
 
 
 @pytest.mark.slow
-def test_dpo_resume_is_bit_identical(tmp_path, pairs, tiny_pretrain_checkpoint):
+def test_dpo_resume_is_bit_identical(tmp_path, pairs, tiny_policy_and_rm, prompts):
     straight, halves = tmp_path / "straight", tmp_path / "halves"
-    assert DPO.main(dpo_args(pairs, tiny_pretrain_checkpoint, straight)) == 0
-    assert DPO.main(dpo_args(pairs, tiny_pretrain_checkpoint, halves, "--stop_after", "3")) == 0
+    assert DPO.main(dpo_args(pairs, tiny_policy_and_rm, prompts, straight)) == 0
+    assert DPO.main(dpo_args(pairs, tiny_policy_and_rm, prompts, halves, "--stop_after", "3")) == 0
     assert (halves / "state").is_dir()
-    assert DPO.main(dpo_args(pairs, tiny_pretrain_checkpoint, halves, "--resume")) == 0
+    assert DPO.main(dpo_args(pairs, tiny_policy_and_rm, prompts, halves, "--resume")) == 0
     assert (straight / "model.safetensors").read_bytes() == (halves / "model.safetensors").read_bytes()
+
+
+@pytest.mark.slow
+def test_the_three_aligners_measure_the_same_sft_policy(tmp_path, pairs, tiny_policy_and_rm, prompts):
+    """PPO, DPO and GRPO sample the SFT policy on the held-out prompts with one seed and one batch size, whatever
+    their own rollout sizes: the report's single SFT row is each stage's SFT row, to the last digit."""
+    policy, rm = tiny_policy_and_rm
+    common = ["--preset", "tiny", "--policy", str(policy), "--reward", str(rm), "--val_prompts_file", str(prompts),
+              "--max_new_tokens", "8", "--eval_examples", "4", "--max_steps", "1"]
+    online = ["--prompts_file", str(prompts)]
+    assert DPO.main([*common, "--train_files", pairs["train"], "--val_files", pairs["val"], "--output_dir",
+                     str(tmp_path / "dpo")]) == 0
+    assert load_script("3-GRPO.py").main([*common, *online, "--rollout_size", "2", "--output_dir",
+                                          str(tmp_path / "grpo")]) == 0
+    assert load_script("3-PPO.py").main([*common, *online, "--rollout_size", "3", "--output_dir",
+                                         str(tmp_path / "ppo")]) == 0
+    sft = [json.loads((tmp_path / stage / "config.json").read_text(encoding="utf-8"))["metrics"]["held_out"]["sft"]
+           for stage in ("dpo", "grpo", "ppo")]
+    assert sft[0] == sft[1] == sft[2] and sft[0]["kl"] == 0.0

@@ -52,34 +52,11 @@ def test_grpo_loss_at_ratio_one_is_the_policy_gradient_plus_kl():
     assert torch.allclose(logp.grad, expected * mask, atol=1e-6)
 
 
-@pytest.fixture(scope="module")
-def tiny_policy_and_rm(tmp_path_factory, tiny_pretrain_checkpoint, tokenizer):
-    """The tiny pretrain checkpoint as the policy, and a reward model whose backbone is that checkpoint."""
-    from checkpoint import load_checkpoint, save_checkpoint
-    from gpt_model import RewardModel
-
-    policy, _, _ = load_checkpoint(str(tiny_pretrain_checkpoint), "gpt")
-    torch.manual_seed(0)
-    rm = RewardModel(policy.cfg)
-    rm.backbone.load_state_dict(policy.state_dict())
-    path = tmp_path_factory.mktemp("grpo_rm") / "rm"
-    save_checkpoint(str(path), rm, tokenizer, {"stage": "rm"})
-    return tiny_pretrain_checkpoint, path
-
-
 def grpo_args(models, out, prompts, *extra):
     policy, rm = models
     return ["--preset", "tiny", "--policy", str(policy), "--reward", str(rm), "--prompts_file", str(prompts),
             "--val_prompts_file", str(prompts), "--output_dir", str(out), "--max_new_tokens", "8",
             "--eval_examples", "4", *map(str, extra)]
-
-
-@pytest.fixture(scope="module")
-def prompts(tmp_path_factory):
-    path = tmp_path_factory.mktemp("grpo_prompts") / "prompts.jsonl"
-    path.write_text("".join(json.dumps({"prompt": p}, ensure_ascii=False) + "\n"
-                            for p in ("写一条好评：", "写一条差评：", "今天天气", "明月")), encoding="utf-8")
-    return path
 
 
 @pytest.mark.slow

@@ -255,3 +255,12 @@ def test_missing_reward_model_is_a_one_line_error(tmp_path, ppo_parents):
                         "--prompts_file", prompts, "--val_prompts_file", prompts, "--output_dir", tmp_path / "out")
     assert result.returncode == 2 and "no-rm" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("script", ["3-PPO.py", "3-GRPO.py", "3-DPO.py"])
+def test_no_sampling_temperature_to_get_wrong(tmp_path, script):
+    """--temperature 0.7 used to sample at 0.7 while PPO scored log-probs (and KL) at 1.0, training one distribution
+    on the samples of another; the alignment stages now sample the policy itself and refuse the flag."""
+    result = run_script(script, "--preset", "tiny", "--temperature", "0.7", "--output_dir", tmp_path / "out")
+    assert result.returncode == 2 and "unrecognized arguments: --temperature 0.7" in result.stderr
+    assert not (tmp_path / "out").exists()
