@@ -9,7 +9,9 @@
 How a prompt becomes model input depends on the checkpoint:
 
 * a pretrain checkpoint (or ``--from_hf`` weights, or any checkpoint with ``--raw``) continues the prompt's text as
-  it is: the ids of the prompt, nothing added;
+  it is: the ids of the prompt, after the token the model's training documents started with, if any
+  (``cfg.bos_id``: ``[CLS]`` for uer's Chinese GPT-2 and what was trained from it; nothing for our own pretraining,
+  which joins documents with ``[SEP]`` alone);
 * an SFT or PPO checkpoint answers through the chat template it was trained on, ``[CLS] prompt [ANS]``.
 
 Either way generation stops at ``[SEP]`` (the end of a document in pretraining, the end of an answer after SFT) or
@@ -26,9 +28,11 @@ filtering and ``--repetition_penalty``. The ``--num_samples`` samples of one pro
 so an answer in a file run is the answer the same prompt gets alone; the interactive session is seeded once, so
 asking again gives a new sample. With ``--reward DIR`` each sample is scored by the reward model on
 ``[CLS] prompt [ANS] response [SEP]`` (the text it was trained on) and the best one is kept (best-of-n).
-``--monitors FILE`` then writes the monitors of the kept answers (``judge.summarize``: RM score, the independent
-judge, distinct-2, longest repeated run, share ending with [SEP], length) and best-of-n's KL to the sampling model,
-``log n - (n - 1) / n``: the no-training baseline that 3-PPO.py's held-out monitors are compared with.
+``--monitors FILE`` then writes, for best-of-k with k = 1, 2, 4, ... up to n (the best of each prompt's first k
+samples, so one run of n samples measures every k), the monitors of the kept answers (``judge.summarize``: RM
+score, the independent judge, distinct-2, longest repeated run, share ending with [SEP], length) and best-of-k's KL
+to the sampling model, ``log k - (k - 1) / k``: the no-training baselines that the alignment stages' held-out
+monitors are compared with.
 """
 
 from __future__ import annotations
@@ -76,8 +80,8 @@ def parse_args(argv=None):
     p.add_argument("--num_samples", type=positive_int, default=1,
                    help="samples per prompt (all are printed; with --reward only the best)")
     p.add_argument("--reward", help="reward model checkpoint (from 2-RM.py): keep the best-scoring sample")
-    p.add_argument("--monitors", help="with --prompts_file and --reward: write the monitors of the kept answers "
-                                      "(RM score, judge, distinct-2, ...) to this JSON file")
+    p.add_argument("--monitors", help="with --prompts_file and --reward: write the monitors (RM score, judge, "
+                                      "distinct-2, ...) of best-of-k for k = 1, 2, 4, ... n to this JSON file")
     p.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
     args = p.parse_args(argv)
     if args.output and not args.prompts_file:
@@ -148,15 +152,20 @@ def load_reward(path: str, vocab_size: int):
 
 # --- one prompt ------------------------------------------------------------------------------------------------
 
-def prompt_to_ids(prompt: str, tokenizer, chat: bool, context_length: int) -> list[int]:
-    """The model input for ``prompt``: its ids, or ``[CLS] ids [ANS]``, cut from the left to fit the context."""
+def prompt_to_ids(prompt: str, tokenizer, chat: bool, context_length: int,
+                  bos_id: int | None = None) -> list[int]:
+    """The model input for ``prompt``: its ids, or ``[CLS] ids [ANS]``, cut from the left to fit the context.
+    A plain continuation starts with ``bos_id`` when the model's documents did in training (``cfg.bos_id``: [CLS]
+    for uer's weights); the token stays when the prompt is cut."""
     if not chat:
+        start = [] if bos_id is None else [bos_id]
         ids = encode(prompt, tokenizer)
-        if len(ids) > context_length:
-            log(f"note: the prompt is {len(ids)} tokens, longer than the model's context of {context_length}; "
-                f"keeping its last {context_length}")
-            ids = ids[-context_length:]
-        return ids
+        room = context_length - len(start)
+        if len(ids) > room:
+            log(f"note: the prompt is {len(ids)} tokens, longer than the {room} that fit in the model's context of "
+                f"{context_length}; keeping its last {room}")
+            ids = ids[-room:]
+        return start + ids
     ids = chat_prompt_ids(prompt, tokenizer, context_length)  # [CLS] prompt [ANS], the prompt cut from its left
     if len(ids) < len(encode(prompt, tokenizer)) + 2:
         log(f"note: the prompt is longer than the {context_length - 2} tokens that fit in the model's context of "
@@ -216,9 +225,9 @@ class TextStream:
 def answer(prompt: str, model, tokenizer, chat: bool, args, reward_model=None, out=None, kept=None) -> list[dict]:
     """Generate for one prompt. Returns rows ``{"prompt", "response"}``: the best sample with its ``"score"`` when
     there is a reward model, else one row per sample. With ``out``, a single sample is streamed to it as it grows.
-    With a reward model and a list ``kept``, the best sample's ``{"ids", "ended", "response", "score"}`` is
-    appended to it (for ``--monitors``)."""
-    ids = prompt_to_ids(prompt, tokenizer, chat, model.cfg.context_length)
+    With a reward model and a list ``kept``, the list of every sample's ``{"ids", "ended", "response", "score"}``
+    is appended to it (for ``--monitors``)."""
+    ids = prompt_to_ids(prompt, tokenizer, chat, model.cfg.context_length, model.cfg.bos_id)
     n = args.num_samples
     stream = TextStream(tokenizer, out) if out is not None and n == 1 and reward_model is None else None
     samples = sample(model, ids, args, n, stream)
@@ -232,22 +241,26 @@ def answer(prompt: str, model, tokenizer, chat: bool, args, reward_model=None, o
     for i, (r, s) in enumerate(zip(responses, scores)):
         log(f"{'*' if i == best else ' '} sample {i + 1}: score {s:+.4f}  {r!r}")
     if kept is not None:  # shorter than the limit: generation stopped at [SEP]
-        kept.append({"ids": samples[best], "ended": len(samples[best]) < args.max_new_tokens,
-                     "response": responses[best], "score": scores[best]})
+        kept.append([{"ids": ids, "ended": len(ids) < args.max_new_tokens, "response": r, "score": s}
+                     for ids, r, s in zip(samples, responses, scores)])
     return [{"prompt": prompt, "response": responses[best], "score": scores[best]}]
 
 
-def write_monitors(path: str, kept: list[dict], n: int) -> dict:
-    """``--monitors``: ``judge.summarize`` of the kept best-of-n answers, plus ``best_of_n`` (n) and ``kl_bound``
-    (best-of-n's KL to the sampling model, nats per response). Returns the dict written."""
+def write_monitors(path: str, samples: list[list[dict]], n: int) -> dict:
+    """``--monitors``: for k = 1, 2, 4, ... and n, ``judge.summarize`` of the best of each prompt's first k samples
+    (``samples``: one list of n sample dicts per prompt, from ``answer``), plus ``best_of_n`` (k) and ``kl_bound``
+    (best-of-k's KL to the sampling model, nats per response). Returns and writes ``{str(k): monitors}``."""
     from judge import SentimentJudge, best_of_n_kl, summarize
 
-    monitors = summarize([k["ids"] for k in kept], [k["ended"] for k in kept], [k["score"] for k in kept],
-                         SentimentJudge()([k["response"] for k in kept]))
-    monitors.update(best_of_n=n, kl_bound=best_of_n_kl(n))
+    judge, result = SentimentJudge(), {}
+    for k in sorted({2 ** i for i in range(n.bit_length()) if 2 ** i <= n} | {n}):
+        kept = [max(prompt[:k], key=lambda sample: sample["score"]) for prompt in samples]  # first of equal scores
+        monitors = summarize([s["ids"] for s in kept], [s["ended"] for s in kept], [s["score"] for s in kept],
+                             judge([s["response"] for s in kept]))
+        result[str(k)] = {**monitors, "best_of_n": k, "kl_bound": best_of_n_kl(k)}
     with open(path, "w", encoding="utf-8") as f:
-        json.dump(monitors, f, indent=1)
-    return monitors
+        json.dump(result, f, indent=1)
+    return result
 
 
 # --- the three modes -------------------------------------------------------------------------------------------
@@ -358,10 +371,11 @@ def main(argv=None):
         if args.output:
             log(f"wrote {args.output}")
         if args.monitors:
-            m = write_monitors(args.monitors, kept, args.num_samples)
-            log(f"wrote {args.monitors}: best-of-{args.num_samples} RM score {m['rm_score']:.3f}, judge "
-                f"{m['judge']:.3f} ± {m['judge_se']:.3f}, distinct-2 {m['distinct_2']:.3f}, ends with [SEP] "
-                f"{m['eos_share']:.0%}, KL <= {m['kl_bound']:.2f}")
+            for k, m in write_monitors(args.monitors, kept, args.num_samples).items():
+                log(f"best-of-{k}: RM score {m['rm_score']:.3f}, judge {m['judge']:.3f} ± {m['judge_se']:.3f}, "
+                    f"distinct-2 {m['distinct_2']:.3f}, ends with [SEP] {m['eos_share']:.0%}, KL <= "
+                    f"{m['kl_bound']:.2f}")
+            log(f"wrote {args.monitors}")
     else:
         interactive(model, tokenizer, chat, args, reward_model)
     return 0

@@ -1,14 +1,14 @@
 """The whole pipeline in one command, ending with a report card: the README's first command runs this.
 
-    python pipeline.py                      # data -> 0-PRETRAIN -> 1-SFT -> 2-RM -> 3-PPO -> generate -> report
+    python pipeline.py                      # data -> 0 -> 1 -> 2 -> 3-PPO, 3-DPO, 3-GRPO -> generate -> report
     python pipeline.py --overwrite          # run again, replacing the checkpoints of an earlier run
     python pipeline.py --launch "accelerate launch --mixed_precision bf16" --preset gpt2-zh-small
 
 Each stage is the same command a user would type (printed before it runs), so the report card's run can be
 repeated stage by stage. ``reports/report.md`` gets, per stage, the wall time, tokens/s and final metrics, the
-curves, SFT, best-of-n and PPO side by side on PPO's held-out prompts (RM score, the independent judge, KL,
-repetition, answers that end; with the reward-hacking flag), and a table of the same prompts answered by the
-pretrain, SFT and PPO models with their RM scores.
+curves, the four ways to align the SFT model side by side on the held-out prompts (SFT, best-of-4 and best-of-16,
+PPO, DPO, GRPO x RM score, the independent judge, KL, repetition, answers that end, length, wall time; with each
+reward-hacking flag), and a table of the same prompts answered by every trained model with their RM scores.
 """
 
 from __future__ import annotations
@@ -28,12 +28,15 @@ from judge import distinct_n, longest_repeat
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 CHECKPOINTS = {"pretrain": "checkpoints/pretrain", "sft": "checkpoints/sft", "rm": "checkpoints/rm",
-               "ppo": "checkpoints/ppo"}
-STAGES = [("pretrain", "0-PRETRAIN.py"), ("sft", "1-SFT.py"), ("rm", "2-RM.py"), ("ppo", "3-PPO.py")]
+               "ppo": "checkpoints/ppo", "dpo": "checkpoints/dpo", "grpo": "checkpoints/grpo"}
+STAGES = [("pretrain", "0-PRETRAIN.py"), ("sft", "1-SFT.py"), ("rm", "2-RM.py"), ("ppo", "3-PPO.py"),
+          ("dpo", "3-DPO.py"), ("grpo", "3-GRPO.py")]
+ALIGNED = ("ppo", "dpo", "grpo")  # the three alignment stages, each from the SFT model, measured alike
+ANSWERING = ("pretrain", "sft") + ALIGNED  # the models that answer the report's prompts
 # prompts answered by every model in the report: two review-writing tasks, a 歇后语, a definition, free text
 REPORT_PROMPTS = ["写一条好评：", "写一条以“房间”开头的好评。", "歇后语：外甥打灯笼", "请解释一下“明月”这个词。",
                   "今天天气很好，"]
-BEST_OF_N = 4  # best-of-n from the SFT model: the no-training baseline in the held-out table
+BEST_OF = (4, 16)  # best-of-n from the SFT model, from one run of 16 samples: the no-training baselines
 # How the report's answers are decoded. Greedy decoding makes any small model loop ("国国国…"), so the answers are
 # sampled: temperature 0.7 with nucleus (top-p 0.9, Holtzman et al. 2020) and CTRL's repetition penalty (Keskar et
 # al. 2019) at a mild 1.1, one sample per prompt with generate.py's fixed --seed, so a rerun gives the same answers.
@@ -49,7 +52,7 @@ def parse_args(argv=None):
     p.add_argument("--with-poetry", dest="with_poetry", action="store_true",
                    help="add the chinese-poetry corpus (about 29M characters) to pretraining")
     p.add_argument("--report_dir", default=default_path("reports"),
-                   help="where report.md, its curves and the three models' answers are written")
+                   help="where report.md, its curves and the models' answers are written")
     return p.parse_args(argv)
 
 
@@ -117,7 +120,7 @@ def main(argv=None):
         f.write("\n".join(REPORT_PROMPTS) + "\n")
     answers = {}
     t0 = time.time()
-    for stage in ("pretrain", "sft", "ppo"):
+    for stage in ANSWERING:
         out = os.path.join(args.report_dir, f"answers-{stage}.jsonl")
         step(len(STAGES) + 2, total, f"generate.py with the {stage} model", py + [
             "generate.py", "--checkpoint", CHECKPOINTS[stage], "--prompts_file", prompts_file, "--output", out,
@@ -126,8 +129,10 @@ def main(argv=None):
             "--overwrite"],  # the answers belong to this run's models: replace an earlier run's
             started)
         answers[stage] = read_rows(out)
-    best_of_n = run_best_of_n(args, py, total, started)
     times["generate"] = time.time() - t0
+    t0 = time.time()
+    best_of_n = run_best_of_n(args, py, total, started)
+    times["best_of_n"] = time.time() - t0
 
     print(f"\n=== [{total}/{total}] report card ===", flush=True)
     report = write_report(args, times, answers, best_of_n, baselines)
@@ -166,8 +171,10 @@ def load_stage_defaults(script: str) -> dict:
 
 
 def run_best_of_n(args, py, total, started) -> dict | None:
-    """Best-of-n from the SFT model on the held-out prompts PPO was measured on, sampled as 3-PPO.py samples them
-    (its ``held_out_settings``); returns ``generate.py --monitors``' dict (None if PPO recorded no settings)."""
+    """Best-of-4 and best-of-16 from the SFT model on the held-out prompts the alignment stages were measured on,
+    sampled as they sample them (3-PPO.py's ``held_out_settings``), from one run of 16 samples per prompt; returns
+    ``generate.py --monitors``' dict, ``{"1": ..., "2": ..., "4": ..., "8": ..., "16": ...}`` (None if PPO recorded
+    no settings)."""
     settings = read_json(os.path.join(ROOT, CHECKPOINTS["ppo"], "config.json")).get("metrics", {}).get(
         "held_out_settings")
     if not settings:
@@ -175,42 +182,69 @@ def run_best_of_n(args, py, total, started) -> dict | None:
     prompts_file = os.path.join(args.report_dir, "held-out-prompts.txt")
     with open(prompts_file, "w", encoding="utf-8") as f:
         f.write("\n".join(settings["prompts"]) + "\n")
-    monitors = os.path.join(args.report_dir, f"best-of-{BEST_OF_N}.json")
-    step(len(STAGES) + 2, total, f"generate.py best-of-{BEST_OF_N} from the SFT model on PPO's held-out prompts", py + [
+    n = max(BEST_OF)
+    monitors = os.path.join(args.report_dir, f"best-of-{n}.json")
+    step(len(STAGES) + 2, total, f"generate.py best-of-{n} from the SFT model on the held-out prompts", py + [
         "generate.py", "--checkpoint", CHECKPOINTS["sft"], "--prompts_file", prompts_file,
-        "--output", os.path.join(args.report_dir, f"answers-best-of-{BEST_OF_N}.jsonl"), "--reward", CHECKPOINTS["rm"],
-        "--num_samples", str(BEST_OF_N), "--temperature", str(settings["temperature"]), "--top_k", "0",
+        "--output", os.path.join(args.report_dir, f"answers-best-of-{n}.jsonl"), "--reward", CHECKPOINTS["rm"],
+        "--num_samples", str(n), "--temperature", str(settings["temperature"]), "--top_k", "0",
         "--max_new_tokens", str(settings["max_new_tokens"]), "--monitors", monitors, "--overwrite"], started)
     return read_json(monitors)
 
 
-def held_out_section(ppo_metrics: dict, best_of_n: dict | None = None) -> list[str]:
-    """Markdown lines: SFT, best-of-n and PPO on PPO's held-out prompts (3-PPO.py's final monitors and
-    ``generate.py --monitors``), then the reward-hacking flag. Nothing if the PPO checkpoint has no monitors."""
-    held = ppo_metrics.get("held_out")
-    if not held:
+def held_out_section(metrics: dict, best_of_n: dict | None = None, times: dict | None = None) -> list[str]:
+    """Markdown lines: SFT, best-of-n, PPO, DPO and GRPO on the held-out prompts (each alignment stage's final
+    monitors in ``metrics[stage]``, best-of-n from ``generate.py --monitors``), each stage's wall time from
+    ``times``, then the reward-hacking flags. Nothing if no stage recorded held-out monitors."""
+    aligned = [stage for stage in ALIGNED if metrics.get(stage, {}).get("held_out")]
+    if not aligned:
         return []
-    settings = ppo_metrics.get("held_out_settings", {})
-    models = [("SFT", held["sft"], f"{held['sft']['kl']:.2f}")]
-    if best_of_n:
-        models.append((f"best-of-{best_of_n['best_of_n']} (SFT + RM)", best_of_n, f"≤ {best_of_n['kl_bound']:.2f}"))
-    models.append(("PPO", held["ppo"], f"{held['ppo']['kl']:.2f} ± {held['ppo']['kl_se']:.2f}"))
-    lines = ["## SFT, best-of-n and PPO on held-out prompts", "",
-             f"{len(settings.get('prompts', []))} prompts × {settings.get('samples_per_prompt', '?')} samples "
-             f"(best-of-n: 1 kept of {best_of_n['best_of_n'] if best_of_n else 'n'}) at temperature "
-             f"{settings.get('temperature', '?')}, up to {settings.get('max_new_tokens', '?')} tokens. Judge: "
-             f"snownlp's sentiment naive Bayes, P(positive), mean ± standard error (see notes/judge.md for what it "
-             f"cannot tell). KL to SFT in nats per response.", "",
-             "| model | RM score | judge | KL | distinct-2 | longest run | ends with [SEP] | mean length |",
-             "|---|---|---|---|---|---|---|---|"]
-    for name, m, kl in models:
+    times = times or {}
+    settings = metrics.get("ppo", {}).get("held_out_settings", {})
+    sft = metrics[aligned[0]]["held_out"]["sft"]
+    rows = [("SFT", sft, f"{sft['kl']:.2f}", "—")]
+    for n in BEST_OF if best_of_n else ():
+        m = best_of_n[str(n)]
+        rows.append((f"best-of-{n} (SFT + RM)", m, f"≤ {m['kl_bound']:.2f}",
+                     f"{times['best_of_n']:.0f} s (one run of {max(BEST_OF)})" if "best_of_n" in times else "—"))
+    for stage in aligned:
+        m = metrics[stage]["held_out"][stage]
+        rows.append((stage.upper(), m, f"{m['kl']:.2f} ± {m['kl_se']:.2f}",
+                     f"{times[stage]:.0f} s" if stage in times else "—"))
+    lines = ["## Four ways to align the SFT model, on held-out prompts", "",
+             f"{len(settings.get('prompts', []))} prompts × {settings.get('samples_per_prompt', '?')} samples at "
+             f"temperature {settings.get('temperature', '?')}, up to {settings.get('max_new_tokens', '?')} tokens; "
+             f"SFT, PPO, DPO and GRPO on the same draws of randomness. Best-of-n trains nothing: the RM keeps the "
+             f"best of n answers that generate.py samples from the SFT model, one kept per prompt (so its standard "
+             f"errors are wider). The RM is the one PPO and GRPO maximise; DPO learnt from the RM's training pairs "
+             f"instead. Judge: snownlp's sentiment naive Bayes, P(positive), mean ± standard error, a model none "
+             f"of them saw (see notes/judge.md for what it cannot tell). KL to SFT in nats per response.", "",
+             "| model | RM score | judge | KL | distinct-2 | longest run | ends with [SEP] | mean length | wall time |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for name, m, kl, wall in rows:
         lines.append(f"| {name} | {m['rm_score']:.3f} ± {m['rm_score_se']:.3f} | {m['judge']:.3f} ± "
                      f"{m['judge_se']:.3f} | {kl} | {m['distinct_2']:.3f} | {m['longest_run']:.1f} | "
-                     f"{m['eos_share']:.0%} | {m['length']:.1f} |")
-    flag = ppo_metrics.get("reward_hacking")
-    lines += ["", f"**{flag}**" if flag else f"No sign of reward hacking in these monitors (RM up with the judge down, "
-              f"repetition collapsing, KL past {ppo_metrics.get('kl_limit', '?')} nats).", ""]
-    return lines
+                     f"{m['eos_share']:.0%} | {m['length']:.1f} | {wall} |")
+    lines.append("")
+    for stage in aligned:
+        differs = abs(metrics[stage]["held_out"]["sft"]["rm_score"] - sft["rm_score"]) > 1e-3
+        flag = metrics[stage].get("reward_hacking")
+        lines.append(f"- {stage.upper()}: " + (f"**{flag}**" if flag else
+                     f"no sign of reward hacking in these monitors (RM up with the judge down, repetition "
+                     f"collapsing, KL past {metrics[stage].get('kl_limit', '?')} nats).") +
+                     (" (Its SFT measurement differs from the table's: the stages' held-out settings differ.)"
+                      if differs else ""))
+    return lines + [""]
+
+
+def aligned_summary(stage: str, metrics: dict, fmt) -> str:
+    """The stage table's cell for an alignment stage: held-out RM score and judge, SFT -> the stage, and KL (and
+    DPO's implicit-reward accuracy on its val pairs)."""
+    held = metrics.get("held_out", {})
+    sft, aligned = held.get("sft", {}), held.get(stage, {})
+    pairs = f"val implicit-reward accuracy {fmt(metrics.get('val_accuracy'))}; " if stage == "dpo" else ""
+    return (f"{pairs}held-out RM score {fmt(sft.get('rm_score'))} (SFT) → {fmt(aligned.get('rm_score'))}, judge "
+            f"{fmt(sft.get('judge'))} → {fmt(aligned.get('judge'))}, KL {fmt(metrics.get('kl'), '.2f')} nats/response")
 
 
 def write_report(args, times, answers, best_of_n=None, baselines=None) -> str:
@@ -241,10 +275,11 @@ def write_report(args, times, answers, best_of_n=None, baselines=None) -> str:
              f"| 2-RM | {times['rm']:.0f} s | {speed('rm')} | test accuracy {fmt(m['rm'].get('test_accuracy'))} "
              f"(counting baseline: naive Bayes {fmt(b.get('naive_bayes_test_accuracy'))}), "
              f"test margin {fmt(m['rm'].get('test_margin'))} |",
-             f"| 3-PPO | {times['ppo']:.0f} s | — | held-out RM score {fmt(m['ppo'].get('val_score_sft'))} (SFT) → "
-             f"{fmt(m['ppo'].get('val_score_ppo'))} (PPO), gain {fmt(m['ppo'].get('val_score_gain'), '+.3f')}, "
-             f"KL {fmt(m['ppo'].get('kl'), '.2f')} nats/response |",
-             f"| generation | {times['generate']:.0f} s | — | 3 models × {len(REPORT_PROMPTS)} prompts |", "",
+             *[f"| 3-{stage.upper()} | {times[stage]:.0f} s | — | {aligned_summary(stage, m[stage], fmt)} |"
+               for stage in ALIGNED],
+             f"| generation | {times['generate']:.0f} s | — | {len(ANSWERING)} models × {len(REPORT_PROMPTS)} prompts |",
+             f"| best-of-n | {times.get('best_of_n', 0):.0f} s | — | {max(BEST_OF)} samples per held-out prompt from "
+             f"the SFT model, scored by the RM |", "",
              f"Precision: {', '.join(sorted({configs[s].get('mixed_precision', 'no') for s in CHECKPOINTS}))} "
              f"autocast (`--mixed_precision`; bf16 where the CPU or GPU computes it natively).", "",
              "Counting baselines, computed by the pipeline on the same splits: the *token bigram* is the "
@@ -256,7 +291,7 @@ def write_report(args, times, answers, best_of_n=None, baselines=None) -> str:
              "The *naive Bayes* is a character uni+bigram classifier fitted "
              "on the RM's training pairs (chosen = good, rejected = bad); a reward model that does not beat it "
              "ranks answers no better than counting their characters.", ""]
-    lines += held_out_section(m["ppo"], best_of_n) + ["## Curves", ""]
+    lines += held_out_section(m, best_of_n, times) + ["## Curves", ""]
     for stage, d in CHECKPOINTS.items():
         for name in sorted(os.listdir(os.path.join(ROOT, d))):
             if name.endswith(".png"):
@@ -265,23 +300,22 @@ def write_report(args, times, answers, best_of_n=None, baselines=None) -> str:
                 lines.append(f"![{stage}]({target})")
     d = REPORT_DECODING
     decoding = f"temperature {d['temperature']}, top-p {d['top_p']}, repetition penalty {d['repetition_penalty']}"
-    lines += ["", "## The same prompts, three models", "",
-              f"One sample per prompt ({decoding}; seed 1234), up to 48 tokens. In brackets: the RM score, then "
-              f"the answer's distinct-2 (different token pairs / token pairs: 1 = no pair repeated) and its longest "
-              f"repeated run in tokens (one n-gram written again and again back to back; 0 = none). Distinct-2 "
-              f"under 0.5 or a run over 8 is degenerate text, whatever its score.", "",
-              "| prompt | pretrain | SFT | PPO |", "|---|---|---|---|"]
+    names = {"pretrain": "pretrain", "sft": "SFT", "ppo": "PPO", "dpo": "DPO", "grpo": "GRPO"}
+    lines += ["", f"## The same prompts, {len(ANSWERING)} models", "",
+              f"One sample per prompt and model ({decoding}; seed 1234), up to 48 tokens. Beside each answer: its RM "
+              f"score, its distinct-2 (d-2: different token pairs / token pairs; 1 = no pair repeated) and its "
+              f"longest repeated run in tokens (one n-gram written again and again back to back; 0 = none). "
+              f"Distinct-2 under 0.5 or a run over 8 is degenerate text, whatever its score.", "",
+              "| prompt | model | answer | RM | d-2 | run |", "|---|---|---|---|---|---|"]
     tokenizer = load_tokenizer(default_path("data", "tokenizer"))
     for i, prompt in enumerate(REPORT_PROMPTS):
-        cells = [prompt]
-        for stage in ("pretrain", "sft", "ppo"):
+        for j, stage in enumerate(ANSWERING):
             row = answers[stage][i] if i < len(answers[stage]) else {}
             text = str(row.get("response", ""))
             ids = tokenizer(text, add_special_tokens=False)["input_ids"]
             shown = text.replace("|", "\\|").replace("\n", " ")
-            cells.append(f"{shown} (RM {fmt(row.get('score'), '.2f')}; d-2 {distinct_n([ids]):.2f}, "
-                         f"run {longest_repeat(ids)})")
-        lines.append("| " + " | ".join(cells) + " |")
+            lines.append(f"| {prompt if j == 0 else ''} | {names[stage]} | {shown} | {fmt(row.get('score'), '.2f')} "
+                         f"| {distinct_n([ids]):.2f} | {longest_repeat(ids)} |")
     report = "\n".join(lines) + "\n"
     with open(os.path.join(args.report_dir, "report.md"), "w", encoding="utf-8") as f:
         f.write(report)

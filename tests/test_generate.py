@@ -16,7 +16,7 @@ import torch
 
 import generate as gen
 from checkpoint import load_checkpoint, save_checkpoint
-from chinese_tokenizer import SEP_ID, chat_prompt_ids, decode, encode
+from chinese_tokenizer import CLS_ID, SEP_ID, chat_prompt_ids, decode, encode
 from cli import run
 from gpt_model import GPTModel, RewardModel, get_preset
 
@@ -181,7 +181,8 @@ def test_reward_returns_the_best_scoring_sample(capsys, tmp_path, ckpts, tokeniz
 
 
 def test_best_of_n_monitors(capsys, tmp_path, ckpts):
-    """--monitors summarises the kept answers: their mean RM score, the judge, and best-of-n's KL bound."""
+    """--monitors summarises best-of-k for k = 1, 2, 4 from one run of 4 samples: best-of-4 is the kept answers,
+    best-of-k the best of each prompt's first k samples (read back from the scores stderr lists), with each KL bound."""
     pytest.importorskip("snownlp")
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("写一条好评：\n今天天气\n", encoding="utf-8")
@@ -191,10 +192,15 @@ def test_best_of_n_monitors(capsys, tmp_path, ckpts):
                        "--monitors", monitors)
     assert code == 0, err
     rows = [json.loads(line) for line in answers.read_text(encoding="utf-8").splitlines()]
+    scores = [float(line.split("score ")[1].split()[0]) for line in err.splitlines() if " sample " in line]
+    per_prompt = [scores[:4], scores[4:]]  # (prompt, sample) in the order they were drawn
     m = json.loads(monitors.read_text(encoding="utf-8"))
-    assert m["rm_score"] == pytest.approx(sum(r["score"] for r in rows) / 2)
-    assert m["best_of_n"] == 4 and m["kl_bound"] == pytest.approx(math.log(4) - 3 / 4)
-    assert 0 <= m["judge"] <= 1 and 0 <= m["eos_share"] <= 1 and 0 < m["length"] <= 6
+    assert sorted(m) == ["1", "2", "4"]
+    assert m["4"]["rm_score"] == pytest.approx(sum(r["score"] for r in rows) / 2)
+    for k in (1, 2, 4):
+        assert m[str(k)]["rm_score"] == pytest.approx(sum(max(p[:k]) for p in per_prompt) / 2, abs=1e-4)
+        assert m[str(k)]["best_of_n"] == k and m[str(k)]["kl_bound"] == pytest.approx(math.log(k) - (k - 1) / k)
+    assert 0 <= m["4"]["judge"] <= 1 and 0 <= m["4"]["eos_share"] <= 1 and 0 < m["4"]["length"] <= 6
     code, _, err = cli(capsys, "--checkpoint", ckpts["sft"], "--prompt", "x", "--monitors", monitors)
     assert code == 2 and "--monitors needs --prompts_file and --reward" in err
 
@@ -336,4 +342,8 @@ def test_from_hf_loads_through_load_weight(capsys, tmp_path, policy, tokenizer):
     code, out, err = cli(capsys, "--from_hf", tmp_path / "hf", "--prompt", PROMPT, "--temperature", 0,
                          "--max_new_tokens", 8)
     assert code == 0 and "plain continuation" in err
-    assert out == decode(greedy(policy, encode(PROMPT, tokenizer), 8), tokenizer) + "\n"
+    # Chinese GPT-2 weights (uer's) were trained on "[CLS] text [SEP]": the prompt starts with [CLS] as theirs did
+    assert out == decode(greedy(policy, [CLS_ID] + encode(PROMPT, tokenizer), 8), tokenizer) + "\n"
+    long_prompt = PROMPT * CONTEXT
+    ids = gen.prompt_to_ids(long_prompt, tokenizer, False, CONTEXT, CLS_ID)  # cut from the left, [CLS] kept
+    assert len(ids) == CONTEXT and ids == [CLS_ID] + encode(long_prompt, tokenizer)[-(CONTEXT - 1):]

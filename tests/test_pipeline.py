@@ -1,29 +1,62 @@
-"""pipeline.py's report card: the held-out table of SFT, best-of-n and PPO and its reward-hacking sentence."""
+"""pipeline.py's report card: the held-out table of SFT, best-of-n, PPO, DPO and GRPO and the reward-hacking
+sentences."""
+
+import math
 
 import pipeline
 
 MONITORS = {"rm_score": 0.5, "rm_score_se": 0.1, "judge": 0.6, "judge_se": 0.02, "kl": 0.0, "kl_se": 0.0,
             "distinct_2": 0.9, "longest_run": 2.0, "eos_share": 0.25, "length": 30.0}
+SETTINGS = {"prompts": ["a", "b"], "samples_per_prompt": 4, "temperature": 1.0, "max_new_tokens": 40}
 
 
-def test_held_out_section_has_a_row_per_model_and_the_flag():
+def best_of(n, rm_score):
+    return {**MONITORS, "rm_score": rm_score, "best_of_n": n, "kl_bound": math.log(n) - (n - 1) / n}
+
+
+def test_held_out_section_has_a_row_per_model_and_each_flag():
     ppo = {**MONITORS, "rm_score": 2.0, "kl": 2.5, "kl_se": 0.3, "eos_share": 0.5}
-    metrics = {"held_out": {"sft": MONITORS, "ppo": ppo}, "kl_limit": 3.0,
-               "held_out_settings": {"prompts": ["a", "b"], "samples_per_prompt": 4, "temperature": 1.0,
-                                     "max_new_tokens": 40},
-               "reward_hacking": "reward hacking suspected: distinct-2 fell from 0.900 to 0.800."}
-    best = {**MONITORS, "rm_score": 1.0, "best_of_n": 4, "kl_bound": 0.636}
-    text = "\n".join(pipeline.held_out_section(metrics, best))
-    assert "| SFT | 0.500 ± 0.100 | 0.600 ± 0.020 | 0.00 | 0.900 | 2.0 | 25% | 30.0 |" in text
+    dpo = {**MONITORS, "rm_score": 1.5, "kl": 4.0, "kl_se": 0.5, "judge": 0.7}
+    grpo = {**MONITORS, "rm_score": 3.0, "kl": 1.0, "kl_se": 0.1}
+    metrics = {"ppo": {"held_out": {"sft": MONITORS, "ppo": ppo}, "kl_limit": 3.0, "held_out_settings": SETTINGS,
+                       "reward_hacking": ""},
+               "dpo": {"held_out": {"sft": MONITORS, "dpo": dpo}, "kl_limit": 3.0,
+                       "reward_hacking": "reward hacking suspected: KL to the SFT model is 4.00 nats/response."},
+               "grpo": {"held_out": {"sft": {**MONITORS, "rm_score": 0.7}, "grpo": grpo}, "kl_limit": 3.0,
+                        "reward_hacking": ""}}
+    times = {"ppo": 100.4, "dpo": 60.0, "grpo": 80.0, "best_of_n": 30.2}
+    lines = pipeline.held_out_section(metrics, {"4": best_of(4, 1.0), "16": best_of(16, 1.8)}, times)
+    text = "\n".join(lines)
+    rows = [line for line in lines if line.startswith("| ") and not line.startswith("| model")]
+    assert [r.split(" | ")[0] for r in rows] == ["| SFT", "| best-of-4 (SFT + RM)", "| best-of-16 (SFT + RM)",
+                                                  "| PPO", "| DPO", "| GRPO"]
+    assert "| SFT | 0.500 ± 0.100 | 0.600 ± 0.020 | 0.00 | 0.900 | 2.0 | 25% | 30.0 | — |" in text
     assert "| best-of-4 (SFT + RM) | 1.000 ± 0.100 | 0.600 ± 0.020 | ≤ 0.64 |" in text
-    assert "| PPO | 2.000 ± 0.100 | 0.600 ± 0.020 | 2.50 ± 0.30 | 0.900 | 2.0 | 50% | 30.0 |" in text
-    assert "**reward hacking suspected: distinct-2 fell from 0.900 to 0.800.**" in text
+    assert "| best-of-16 (SFT + RM) | 1.800 ± 0.100 | 0.600 ± 0.020 | ≤ 1.84 |" in text and "30 s (one run of 16)" in text
+    assert "| PPO | 2.000 ± 0.100 | 0.600 ± 0.020 | 2.50 ± 0.30 | 0.900 | 2.0 | 50% | 30.0 | 100 s |" in text
+    assert "| DPO | 1.500 ± 0.100 | 0.700 ± 0.020 | 4.00 ± 0.50 |" in text and "| 60 s |" in text
+    assert "- DPO: **reward hacking suspected: KL to the SFT model is 4.00 nats/response.**" in text
+    assert "- PPO: no sign of reward hacking" in text and "KL past 3.0 nats" in text
+    assert text.count("Its SFT measurement differs") == 1  # GRPO's SFT row is not the table's
     assert "2 prompts × 4 samples" in text
 
 
-def test_held_out_section_without_best_of_n_or_flag():
-    metrics = {"held_out": {"sft": MONITORS, "ppo": MONITORS}, "kl_limit": 3.0, "reward_hacking": ""}
+def test_held_out_section_with_one_stage_and_no_best_of_n():
+    metrics = {"ppo": {"held_out": {"sft": MONITORS, "ppo": MONITORS}, "kl_limit": 3.0, "reward_hacking": ""},
+               "dpo": {}}
     text = "\n".join(pipeline.held_out_section(metrics))
-    assert "| best-of" not in text and text.count("| PPO |") == 1
-    assert "No sign of reward hacking" in text and "KL past 3.0 nats" in text
-    assert pipeline.held_out_section({}) == []  # a PPO checkpoint from before the monitors
+    assert "| best-of" not in text and text.count("| PPO |") == 1 and "| DPO |" not in text
+    assert "no sign of reward hacking" in text
+    assert pipeline.held_out_section({"ppo": {}}) == []  # checkpoints from before the monitors
+
+
+def test_aligned_summary_names_the_stage_and_dpo_pairs():
+    def fmt(value, spec=".3f"):
+        return "—" if value is None else format(value, spec)
+
+    metrics = {"held_out": {"sft": MONITORS, "dpo": {**MONITORS, "rm_score": 1.25, "judge": 0.75}}, "kl": 2.0,
+               "val_accuracy": 0.8}
+    cell = pipeline.aligned_summary("dpo", metrics, fmt)
+    assert cell == ("val implicit-reward accuracy 0.800; held-out RM score 0.500 (SFT) → 1.250, judge 0.600 → "
+                    "0.750, KL 2.00 nats/response")
+    assert pipeline.aligned_summary("grpo", {}, fmt).startswith("held-out RM score — (SFT) → —")
