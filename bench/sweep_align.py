@@ -52,6 +52,8 @@ PPO_RECIPES = {
     "beta0.5-h64-lr5e-5": flags(**{**NEW, "kl_coef": 0.5}, learning_rate=5e-5),
     "beta2-h64": flags(**{**NEW, "kl_coef": 2.0}),
     "beta1-h64-lr5e-5": flags(**{**NEW, "kl_coef": 1.0}, learning_rate=5e-5),
+    "beta2-h64-lr5e-5": flags(**{**NEW, "kl_coef": 2.0}, learning_rate=5e-5),
+    "beta4-h64": flags(**{**NEW, "kl_coef": 4.0}),
 }
 # DPO (demo: 150 steps of 8 pairs, learning rate 1e-4): how far beta, the run's length and the rate let it move
 DPO_RECIPES = {
