@@ -18,6 +18,7 @@ The stage-specific maths (PPO's GAE and clipped losses, DPO's loss, GRPO's group
 from __future__ import annotations
 
 import copy
+import os
 
 import torch
 
@@ -244,6 +245,9 @@ def load_policy_and_reward(args, tokenizer, device):
     """
     policy, parent = load_backbone(args.policy, "--policy", tokenizer, "1-SFT.py")
     ref = copy.deepcopy(policy)  # the SFT model as it is now, before --resume loads the trained policy
+    if not os.path.isfile(os.path.join(args.reward, "config.json")):
+        raise UserError(f"--reward {args.reward}: no checkpoint there; train the reward model with 2-RM.py first "
+                        f"or point --reward at one")
     reward_model, _, _ = load_checkpoint(args.reward, "reward")
     if reward_model.cfg.vocab_size != policy.cfg.vocab_size:
         raise UserError(f"--reward {args.reward} has vocab_size {reward_model.cfg.vocab_size} but --policy "

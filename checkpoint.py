@@ -167,7 +167,7 @@ def load_checkpoint(path: str, model_type: str | None = None, expect_vocab_size:
                         f"pass a checkpoint written by 2-RM.py")
     if model_type == "gpt" and saved_type == "reward":
         raise UserError(f"{path} is a reward model, but a language model is needed here; pass a checkpoint "
-                        f"written by 0-PRETRAIN.py, 1-SFT.py or 3-PPO.py")
+                        f"written by 0-PRETRAIN.py, 1-SFT.py or an alignment stage (3-PPO.py, 3-DPO.py, 3-GRPO.py)")
     model = MODEL_TYPES[saved_type](cfg)
     weights = os.path.join(path, MODEL_FILE)
     if not os.path.isfile(weights):

@@ -103,7 +103,7 @@ def stage_parser(description: str, output_dir: str, defaults: dict) -> ArgumentP
     p.add_argument("--resume", action="store_true", help="continue from --output_dir/state (saved by --save_every)")
     p.add_argument("--seed", type=int, default=1234, help="one seed for weights, data order, dropout, sampling")
     p.add_argument("--max_steps", type=positive_int,
-                   help="length of the whole run in steps (PPO: iterations) (default: the preset's)")
+                   help="length of the whole run in steps (PPO, GRPO: iterations) (default: the preset's)")
     p.add_argument("--stop_after", type=positive_int,
                    help="run only this many steps now, save a resumable state and exit (continue with --resume)")
     p.add_argument("--batch_size", type=positive_int, help="sequences per process per micro-batch")

@@ -57,7 +57,7 @@ EXIT_WORDS = ("exit", "quit")
 
 
 def parse_args(argv=None):
-    p = ArgumentParser(description="Generate text from a stage checkpoint (pretrain, SFT or PPO).")
+    p = ArgumentParser(description="Generate text from a stage checkpoint (pretrain, SFT, PPO, DPO or GRPO).")
     source = p.add_mutually_exclusive_group()
     source.add_argument("--checkpoint", help="stage checkpoint directory (default: the latest of "
                                              "checkpoints/ppo, checkpoints/sft, checkpoints/pretrain)")
@@ -69,7 +69,7 @@ def parse_args(argv=None):
     prompts.add_argument("--prompts_file", help="a file of prompts: one per line, or .jsonl lines with a \"prompt\"")
     p.add_argument("--output", help="where --prompts_file answers go as JSON lines (default: stdout)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --output file")
-    p.add_argument("--raw", action="store_true", help="continue the prompt text as is, even for an SFT/PPO checkpoint")
+    p.add_argument("--raw", action="store_true", help="continue the prompt text as is, even for a chat (SFT/PPO/DPO/GRPO) checkpoint")
     p.add_argument("--max_new_tokens", type=positive_int, default=100, help="most tokens generated per answer")
     p.add_argument("--temperature", type=non_negative_float, default=0.8, help="0 means greedy decoding")
     p.add_argument("--top_k", type=non_negative_int, default=50, help="sample among the k likeliest tokens (0: all)")
@@ -126,7 +126,7 @@ def load_policy(args):
     elif not os.path.isdir(path):
         raise UserError(f"--checkpoint {path} does not exist; give a directory written by a stage script")
     if read_config(path).get("model_type") == "reward":
-        raise UserError(f"--checkpoint {path} is a reward model; generate from a pretrain/SFT/PPO checkpoint "
+        raise UserError(f"--checkpoint {path} is a reward model; generate from a pretrain/SFT/PPO/DPO/GRPO checkpoint "
                         f"and pass this one as --reward")
     model, tokenizer, config = load_checkpoint(path, "gpt")
     stage = config.get("stage", "unknown")

@@ -158,7 +158,10 @@ def reward_hacking_flag(before: dict, after: dict, kl_limit: float) -> str:
       that the luck of the draw hardly explains; without ``judge_se`` any fall counts);
     * repetition collapsed: distinct-2 fell by more than 0.05, or the mean longest repeated run more than doubled
       and grew by more than 4 tokens;
-    * the KL to the reference passed ``kl_limit`` nats per response (skipped when ``after`` has no ``kl``).
+    * the KL to the reference passed ``kl_limit`` nats per response (skipped when ``after`` has no ``kl``);
+    * the answers stopped ending: the share that ends with [SEP] fell by more than 0.15 (skipped without
+      ``eos_share``), which is what answers look like when the tokens that close them lose probability (DPO's
+      known failure; an RM that pays for length invites it too).
     """
     reasons = []
     judge_drop = before["judge"] - after["judge"]
@@ -173,4 +176,6 @@ def reward_hacking_flag(before: dict, after: dict, kl_limit: float) -> str:
         reasons.append(f"the longest repeated run grew from {run_before:.1f} to {run_after:.1f} tokens")
     if after.get("kl") is not None and after["kl"] > kl_limit:
         reasons.append(f"KL to the SFT model is {after['kl']:.2f} nats/response, past the limit of {kl_limit:g}")
+    if "eos_share" in before and "eos_share" in after and before["eos_share"] - after["eos_share"] > 0.15:
+        reasons.append(f"fewer answers end: {before['eos_share']:.0%} -> {after['eos_share']:.0%} end with [SEP]")
     return f"reward hacking suspected: {'; '.join(reasons)}." if reasons else ""

@@ -211,14 +211,15 @@ def held_out_section(metrics: dict, best_of_n: dict | None = None, times: dict |
         m = metrics[stage]["held_out"][stage]
         rows.append((stage.upper(), m, f"{m['kl']:.2f} ± {m['kl_se']:.2f}",
                      f"{times[stage]:.0f} s" if stage in times else "—"))
-    lines = ["## Four ways to align the SFT model, on held-out prompts", "",
+    lines = ["## Four ways to align the SFT model (best-of-n, PPO, DPO, GRPO), on held-out prompts", "",
              f"{len(settings.get('prompts', []))} prompts × {settings.get('samples_per_prompt', '?')} samples at "
              f"temperature {settings.get('temperature', '?')}, up to {settings.get('max_new_tokens', '?')} tokens; "
              f"SFT, PPO, DPO and GRPO on the same draws of randomness. Best-of-n trains nothing: the RM keeps the "
              f"best of n answers that generate.py samples from the SFT model, one kept per prompt (so its standard "
              f"errors are wider). The RM is the one PPO and GRPO maximise; DPO learnt from the RM's training pairs "
              f"instead. Judge: snownlp's sentiment naive Bayes, P(positive), mean ± standard error, a model none "
-             f"of them saw (see notes/judge.md for what it cannot tell). KL to SFT in nats per response.", "",
+             f"of them saw (see notes/judge.md for what it cannot tell). KL to SFT in nats per response; best-of-n's "
+             f"is the bound log n - (n - 1)/n.", "",
              "| model | RM score | judge | KL | distinct-2 | longest run | ends with [SEP] | mean length | wall time |",
              "|---|---|---|---|---|---|---|---|---|"]
     for name, m, kl, wall in rows:
@@ -230,8 +231,8 @@ def held_out_section(metrics: dict, best_of_n: dict | None = None, times: dict |
         differs = abs(metrics[stage]["held_out"]["sft"]["rm_score"] - sft["rm_score"]) > 1e-3
         flag = metrics[stage].get("reward_hacking")
         lines.append(f"- {stage.upper()}: " + (f"**{flag}**" if flag else
-                     f"no sign of reward hacking in these monitors (RM up with the judge down, repetition "
-                     f"collapsing, KL past {metrics[stage].get('kl_limit', '?')} nats).") +
+                     f"no sign of reward hacking: none of the RM up with the judge down, repetition collapsing, "
+                     f"fewer answers ending, KL past {metrics[stage].get('kl_limit', '?')} nats.") +
                      (" (Its SFT measurement differs from the table's: the stages' held-out settings differ.)"
                       if differs else ""))
     return lines + [""]

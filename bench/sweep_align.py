@@ -172,12 +172,12 @@ def main(argv=None):
                 run_one(name, seed, args)
     headers = ["recipe", "KL", "RM gain", f"judge SFT → {args.stage.upper()} ± SE", "distinct-2", "ends with [SEP]", "length",
                "longest run", "5 checks", "flag", "wall"]
+    rows = [row for name in names for seed in seeds if (row := row_of(name, seed, args))]
+    if not rows:
+        print(f"no finished {args.stage} runs in {os.path.join(args.out, args.stage)}", file=sys.stderr)
     print("| " + " | ".join(headers) + " |\n|" + "---|" * len(headers))
-    for name in names:
-        for seed in seeds:
-            row = row_of(name, seed, args)
-            if row:
-                print("| " + " | ".join(row) + " |")
+    for row in rows:
+        print("| " + " | ".join(row) + " |")
     return 0
 
 

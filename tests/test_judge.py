@@ -67,7 +67,8 @@ def test_best_of_n_kl():
     assert judge.best_of_n_kl(8) == pytest.approx(math.log(8) - 7 / 8)  # 1.204
 
 
-SFT = {"rm_score": -0.24, "judge": 0.60, "judge_se": 0.02, "distinct_2": 0.90, "longest_run": 2.0, "kl": 0.0}
+SFT = {"rm_score": -0.24, "judge": 0.60, "judge_se": 0.02, "distinct_2": 0.90, "longest_run": 2.0, "kl": 0.0,
+       "eos_share": 0.25}
 
 
 def test_flag_stays_quiet_on_an_honest_gain():
@@ -96,10 +97,18 @@ def test_flag_on_the_old_demo_ppo():
     ({"longest_run": 5.0}, False),  # grew by only 3
     ({"kl": 3.5}, True),
     ({"kl": 2.9}, False),
+    ({"eos_share": 0.08}, True),  # from 0.25: fell by 0.17 (the demo DPO: 56% -> 25%)
+    ({"eos_share": 0.12}, False),  # fell by 0.13
+    ({"eos_share": 0.90}, False),  # rose: PPO's answers end more often
 ])
 def test_flag_rules_one_at_a_time(change, fires):
     flag = judge.reward_hacking_flag(SFT, {**SFT, **change}, kl_limit=3.0)
     assert bool(flag) == fires, flag
+
+
+def test_flag_says_how_many_answers_still_end():
+    flag = judge.reward_hacking_flag({**SFT, "eos_share": 0.56}, {**SFT, "eos_share": 0.25}, kl_limit=3.0)
+    assert flag == "reward hacking suspected: fewer answers end: 56% -> 25% end with [SEP]."
 
 
 def test_flag_counts_any_fall_of_the_judge_without_spreads():

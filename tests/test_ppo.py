@@ -254,6 +254,7 @@ def test_missing_reward_model_is_a_one_line_error(tmp_path, ppo_parents):
     result = run_script("3-PPO.py", "--preset", "tiny", "--policy", policy, "--reward", tmp_path / "no-rm",
                         "--prompts_file", prompts, "--val_prompts_file", prompts, "--output_dir", tmp_path / "out")
     assert result.returncode == 2 and "no-rm" in result.stderr
+    assert "--reward" in result.stderr and "2-RM.py" in result.stderr  # names the flag and what writes one
     assert len(result.stderr.strip().splitlines()) == 1
 
 
