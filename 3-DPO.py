@@ -22,14 +22,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from alignment import (KL_LIMIT, add_held_out_arguments, as_val_row, describe, from_val_row,
-                       held_out_monitors, load_policy_and_reward, read_val_prompts, rounded, sequence_logprobs,
-                       write_samples)
+from alignment import (add_held_out_arguments, as_val_row, describe, from_val_row, held_out_monitors,
+                       load_policy_and_reward, read_val_prompts, record_held_out, sequence_logprobs)
 from checkpoint import check_output_dir
 from chinese_tokenizer import apply_chat_template, load_tokenizer
 from cli import UserError, default_path, fill_defaults, positive_float, positive_int, run, stage_parser
 from corpus import chat_example, collate_chat, length_grouped_batches, read_preference_pairs
-from judge import SentimentJudge, reward_hacking_flag
+from judge import SentimentJudge
 from training import BatchSchedule, StageRun, make_accelerator, make_optimizer, spread_subset
 
 # Run length and optimisation per preset; every value can be overridden on the command line. The model comes from
@@ -218,14 +217,7 @@ def main(argv=None):
 
     # --- SFT and DPO on the held-out prompts, and the reward-hacking flag ------------------------------------------
     dpo, examples = held_out("DPO policy")
-    stage.metrics.rows[-1].update(as_val_row(dpo))
-    flag = reward_hacking_flag(sft, dpo, KL_LIMIT)
-    stage.results.update(val_score_sft=sft["rm_score"], val_score_dpo=dpo["rm_score"],
-                         val_score_gain=dpo["rm_score"] - sft["rm_score"], kl=dpo["kl"], kl_limit=KL_LIMIT,
-                         held_out={"sft": rounded(sft), "dpo": rounded(dpo)}, reward_hacking=flag)
-    stage.files["samples.md"] = lambda path: write_samples(path, examples[::args.eval_samples][:12])
-    if flag:
-        stage.print(flag)
+    record_held_out(stage, "dpo", sft, dpo, examples, args.eval_samples)
     first, last = stage.metrics.rows[0], stage.latest_val()
     return stage.finish(f"val implicit-reward accuracy {first['val_accuracy']:.1%} -> {last['val_accuracy']:.1%}, "
                         f"margin {last['val_margin']:.3f}; held-out judge {sft['judge']:.3f} (SFT) -> "

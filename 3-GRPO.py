@@ -21,14 +21,14 @@ import os
 
 import torch
 
-from alignment import (KL_LIMIT, ROLLOUT_MONITORS, add_held_out_arguments, as_val_row, describe,
-                       from_val_row, held_out_monitors, load_policy_and_reward, masked_mean, monitors_of,
-                       penalise_unfinished, read_prompts, rollout, rounded, token_logprobs, write_samples)
+from alignment import (ROLLOUT_MONITORS, add_held_out_arguments, as_val_row, describe, from_val_row,
+                       held_out_monitors, load_policy_and_reward, masked_mean, monitors_of, penalise_unfinished,
+                       read_prompts, record_held_out, rollout, token_logprobs)
 from checkpoint import check_output_dir
 from chinese_tokenizer import load_tokenizer
 from cli import UserError, default_path, fill_defaults, non_negative_float, positive_float, positive_int, run, \
     stage_parser
-from judge import SentimentJudge, reward_hacking_flag
+from judge import SentimentJudge
 from training import BatchSchedule, StageRun, make_accelerator, make_optimizer
 
 # max_steps = iterations; rollout_size = prompts per iteration (each answered group_size times); batch_size =
@@ -195,14 +195,7 @@ def main(argv=None):
 
     # --- SFT and GRPO on held-out prompts, and the reward-hacking flag ----------------------------------------------
     grpo, examples = held_out("GRPO policy")
-    stage.metrics.rows[-1].update(as_val_row(grpo))
-    flag = reward_hacking_flag(sft, grpo, KL_LIMIT)
-    stage.results.update(val_score_sft=sft["rm_score"], val_score_grpo=grpo["rm_score"],
-                         val_score_gain=grpo["rm_score"] - sft["rm_score"], kl=grpo["kl"], kl_limit=KL_LIMIT,
-                         held_out={"sft": rounded(sft), "grpo": rounded(grpo)}, reward_hacking=flag)
-    stage.files["samples.md"] = lambda path: write_samples(path, examples[::args.eval_samples][:12])
-    if flag:
-        stage.print(flag)
+    record_held_out(stage, "grpo", sft, grpo, examples, args.eval_samples)
     return stage.finish(f"held-out RM score {sft['rm_score']:.3f} (SFT) -> {grpo['rm_score']:.3f} (GRPO), "
                         f"judge {sft['judge']:.3f} -> {grpo['judge']:.3f}, KL {grpo['kl']:.2f} nats/response")
 

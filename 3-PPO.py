@@ -38,12 +38,12 @@ from safetensors.torch import load_model, save_model
 
 from alignment import (KL_LIMIT, ROLLOUT_MONITORS, add_held_out_arguments, as_val_row, describe, from_val_row,
                        held_out_monitors, load_policy_and_reward, masked_mean, monitors_of, penalise_unfinished,
-                       read_prompts, rollout, rounded, token_logprobs, write_samples)
+                       read_prompts, record_held_out, rollout, token_logprobs)
 from checkpoint import check_output_dir
 from chinese_tokenizer import load_tokenizer
 from cli import default_path, fill_defaults, non_negative_float, positive_float, positive_int, run, stage_parser
 from gpt_model import RewardModel, last_real_index
-from judge import SentimentJudge, reward_hacking_flag
+from judge import SentimentJudge
 from training import (BatchSchedule, StageRun, make_accelerator, make_optimizer,
                       mean_over_processes)
 
@@ -274,16 +274,9 @@ def main(argv=None):
 
     # --- SFT and PPO on held-out prompts, and the reward-hacking flag -----------------------------------------------
     ppo, examples = held_out("PPO policy")
-    stage.metrics.rows[-1].update(as_val_row(ppo))
-    flag = reward_hacking_flag(sft, ppo, kl_limit)
-    stage.results.update(val_score_sft=sft["rm_score"], val_score_ppo=ppo["rm_score"],
-                         val_score_gain=ppo["rm_score"] - sft["rm_score"], kl=ppo["kl"], kl_limit=kl_limit,
-                         held_out={"sft": rounded(sft), "ppo": rounded(ppo)}, reward_hacking=flag,
-                         held_out_settings={"prompts": val_prompts, "samples_per_prompt": args.eval_samples,
-                                            "temperature": 1.0, "max_new_tokens": args.max_new_tokens})
-    stage.files["samples.md"] = lambda path: write_samples(path, examples[::args.eval_samples][:12])
-    if flag:
-        stage.print(flag)
+    record_held_out(stage, "ppo", sft, ppo, examples, args.eval_samples, kl_limit,
+                    held_out_settings={"prompts": val_prompts, "samples_per_prompt": args.eval_samples,
+                                       "temperature": 1.0, "max_new_tokens": args.max_new_tokens})
     return stage.finish(f"held-out RM score {sft['rm_score']:.3f} (SFT) -> {ppo['rm_score']:.3f} (PPO), "
                         f"judge {sft['judge']:.3f} -> {ppo['judge']:.3f}, KL {ppo['kl']:.2f} nats/response")
 

@@ -27,7 +27,7 @@ from chinese_tokenizer import EOS_ID, chat_prompt_ids, decode
 from cli import UserError, default_path, positive_int
 from corpus import pad_left, read_jsonl
 from gpt_model import generate
-from judge import summarize
+from judge import reward_hacking_flag, summarize
 from training import markdown_table
 
 
@@ -186,6 +186,25 @@ def from_val_row(row: dict) -> dict:
         elif k.startswith("val_") and k != "val_score_sft":
             monitors[k[len("val_"):]] = v
     return monitors
+
+
+def record_held_out(stage, name: str, sft: dict, after: dict, examples, eval_samples: int,
+                    kl_limit: float = KL_LIMIT, **extra) -> str:
+    """The end of every alignment stage, written once: the aligned policy's held-out monitors ``after`` go into
+    the last metrics row; the reward-hacking flag compares them with the SFT policy's (``sft``); the stage's
+    ``config.json`` results get both (``held_out``), the scores, the gain, the KL and the flag, plus ``extra``;
+    samples.md gets the first sample of each held-out prompt (at most 12). ``name`` is the stage ("ppo", ...).
+    Returns the flag ("" when nothing looks wrong), printed when raised."""
+    stage.metrics.rows[-1].update(as_val_row(after))
+    flag = reward_hacking_flag(sft, after, kl_limit)
+    stage.results.update({"val_score_sft": sft["rm_score"], f"val_score_{name}": after["rm_score"],
+                          "val_score_gain": after["rm_score"] - sft["rm_score"], "kl": after["kl"],
+                          "kl_limit": kl_limit, "held_out": {"sft": rounded(sft), name: rounded(after)},
+                          "reward_hacking": flag, **extra})
+    stage.files["samples.md"] = lambda path: write_samples(path, examples[::eval_samples][:12])
+    if flag:
+        stage.print(flag)
+    return flag
 
 
 def rounded(monitors: dict) -> dict:

@@ -9,7 +9,6 @@ import torch
 from safetensors.torch import load_file
 
 import alignment
-from checkpoint import load_checkpoint, save_checkpoint
 from conftest import load_script, run_script
 from gpt_model import GPTModel, RewardModel, get_preset
 
@@ -175,18 +174,13 @@ def test_rollout_scores_each_response_like_the_reward_model_alone(tokenizer):
 
 
 @pytest.fixture(scope="module")
-def ppo_parents(tmp_path_factory, tiny_pretrain_checkpoint):
-    """A tiny policy (the pretrain checkpoint stands in for SFT) and a tiny reward model built on it."""
-    model, tok, _ = load_checkpoint(str(tiny_pretrain_checkpoint), "gpt")
-    torch.manual_seed(0)
-    rm = RewardModel(model.cfg)
-    rm.backbone.load_state_dict(model.state_dict())
-    rm_dir = tmp_path_factory.mktemp("rm") / "rm"
-    save_checkpoint(str(rm_dir), rm, tok, {"stage": "rm"})
+def ppo_parents(tmp_path_factory, tiny_policy_and_rm):
+    """A tiny policy (the pretrain checkpoint stands in for SFT), a tiny reward model built on it, and 12 prompts."""
+    policy, rm_dir = tiny_policy_and_rm
     prompts = tmp_path_factory.mktemp("prompts")
     (prompts / "p.jsonl").write_text("".join(json.dumps({"prompt": f"写一条好评：第{i}条"}, ensure_ascii=False) + "\n"
                                              for i in range(12)), encoding="utf-8")
-    return tiny_pretrain_checkpoint, rm_dir, prompts / "p.jsonl"
+    return policy, rm_dir, prompts / "p.jsonl"
 
 
 def run_ppo(out, parents, *extra):
