@@ -185,3 +185,75 @@ def apply_chat_template(
     input_ids = [CLS_ID] + prompt_ids + [ANSWER_ID] + response_ids
     response_mask = [0] * (len(prompt_ids) + 2) + [1] * len(response_ids)
     return input_ids, response_mask, truncated
+
+
+def chat_messages_ids(messages, tokenizer: BertTokenizerFast, max_length: int | None = None) -> list[int]:
+    """The prompt of a whole conversation, for the model to write the next assistant turn.
+
+    ``messages`` is a list of ``(role, content)`` pairs: optional ``system`` messages first, then ``user`` and
+    ``assistant`` turns in alternation, ending with a ``user`` turn. Layout::
+
+        [CLS] system [SEP] user_1 [ANS] assistant_1 [SEP] user_2 [ANS] ... user_n [ANS]
+
+    Each user turn ends with ``[ANS]`` and each assistant turn with ``[SEP]``, as a response does in
+    ``apply_chat_template``; a system text (several are joined by newlines) sits before the first user turn and
+    ends with ``[SEP]``, so it is the only text before the first ``[ANS]`` that a ``[SEP]`` closes. One user turn
+    with no system text gives exactly ``chat_prompt_ids``: the layout SFT trains on.
+
+    With ``max_length`` (>= 3) a longer conversation first loses its oldest (user, assistant) pairs, then its
+    system text, then the beginning of the last user turn; ``[CLS]`` and the final ``[ANS]`` always stay.
+
+    Raises:
+        ValueError: no user turn, a role out of order (the message says which one), an unknown role, or
+            ``max_length`` < 3.
+    """
+    messages = list(messages)
+    system = []
+    while messages and messages[0][0] == "system":
+        system.append(messages.pop(0)[1])
+    if not messages:
+        raise ValueError("the conversation has no user message: end it with a user turn for the model to answer")
+    for i, (role, _) in enumerate(messages):
+        expected = "user" if i % 2 == 0 else "assistant"
+        if role != expected:
+            where = f"message {len(system) + i + 1} has role {role!r}"
+            if role not in ("system", "user", "assistant"):
+                raise ValueError(f"{where}; use system, user or assistant")
+            raise ValueError(f"{where} but {expected!r} is due: system messages come first, then user and "
+                             f"assistant turns alternate")
+    if messages[-1][0] != "user":
+        raise ValueError("the conversation ends with an assistant turn: end it with the user turn to answer")
+    if max_length is not None and max_length < 3:
+        raise ValueError(f"max_length must be >= 3 ([CLS], [ANS] and one token), got {max_length}")
+    head = encode("\n".join(system), tokenizer) + [SEP_ID] if system else []
+    turns = [encode(text, tokenizer) + [ANSWER_ID if role == "user" else SEP_ID] for role, text in messages]
+    pairs = [turns[i] + turns[i + 1] for i in range(0, len(turns) - 1, 2)]  # (user, assistant) before the last
+    last = turns[-1]
+    if max_length is not None:
+        room = max_length - 1  # [CLS]
+        while pairs and len(head) + sum(map(len, pairs)) + len(last) > room:
+            pairs.pop(0)
+        if head and len(head) + len(last) > room:
+            head = []
+        last = last[-room:]  # the end of the last user turn, its [ANS] included
+    return [CLS_ID] + head + [token for pair in pairs for token in pair] + last
+
+
+class IncrementalDecoder:
+    """Text that grows with the tokens of one answer: ``push(id)`` returns the text the new token added.
+
+    Each call decodes all the tokens so far and returns only what is new, so a token whose text depends on its
+    neighbours (a ``##`` word piece, or any tokenizer that merges pieces) still comes out right; ``text`` is the
+    whole decoded answer.
+    """
+
+    def __init__(self, tokenizer: BertTokenizerFast):
+        self.tokenizer, self.ids, self.text = tokenizer, [], ""
+
+    def push(self, token: int) -> str:
+        self.ids.append(token)
+        text = decode(self.ids, self.tokenizer)
+        if not (text.startswith(self.text) and len(text) > len(self.text)):
+            return ""  # nothing new yet (or a merge changed earlier text: keep what was already given out)
+        new, self.text = text[len(self.text):], text
+        return new

@@ -44,7 +44,7 @@ import sys
 import torch
 
 from checkpoint import check_vocab, load_checkpoint, read_config
-from chinese_tokenizer import EOS_ID, chat_prompt_ids, decode, encode, until_eos
+from chinese_tokenizer import EOS_ID, IncrementalDecoder, chat_prompt_ids, decode, encode, until_eos
 from cli import ArgumentParser, UserError, default_path, non_negative_float, non_negative_int, positive_float, \
     positive_int, probability, run
 from gpt_model import generate
@@ -196,30 +196,21 @@ def score(reward_model, tokenizer, prompt: str, responses: list[str]) -> list[fl
 
 
 class TextStream:
-    """A ``stream`` callback for ``generate`` that writes one row's text as its tokens arrive.
-
-    Each call decodes all the tokens so far and writes only what is new, so a token whose text depends on its
-    neighbours (a ``##`` word piece, or any tokenizer that merges pieces) still comes out right.
-    """
+    """A ``stream`` callback for ``generate`` that writes one row's text as its tokens arrive (through
+    ``IncrementalDecoder``, so word pieces come out right), up to its first ``[SEP]``."""
 
     def __init__(self, tokenizer, out):
-        self.tokenizer, self.out = tokenizer, out
-        self.ids, self.written, self.done = [], "", False
+        self.decoder, self.out, self.done = IncrementalDecoder(tokenizer), out, False
 
     def __call__(self, next_ids):  # (B,) with B == 1
         token = int(next_ids[0])
         if self.done or token == EOS_ID:
             self.done = True
             return
-        self.ids.append(token)
-        self.flush()
-
-    def flush(self):
-        text = decode(self.ids, self.tokenizer)
-        if text.startswith(self.written) and len(text) > len(self.written):
-            self.out.write(text[len(self.written):])
+        new = self.decoder.push(token)
+        if new:
+            self.out.write(new)
             self.out.flush()
-            self.written = text
 
 
 def answer(prompt: str, model, tokenizer, chat: bool, args, reward_model=None, out=None, kept=None) -> list[dict]:
@@ -232,8 +223,6 @@ def answer(prompt: str, model, tokenizer, chat: bool, args, reward_model=None, o
     stream = TextStream(tokenizer, out) if out is not None and n == 1 and reward_model is None else None
     samples = sample(model, ids, args, n, stream)
     responses = [decode(r, tokenizer) for r in samples]
-    if stream is not None:
-        stream.flush()
     if reward_model is None:
         return [{"prompt": prompt, "response": r} for r in responses]
     scores = score(reward_model, tokenizer, prompt, responses)

@@ -624,8 +624,9 @@ def generate(model, idx, max_new_tokens, context_size, temperature=0.0, top_k=No
     Rows of different lengths go in one batch left-padded, with ``attention_mask`` (B, T) marking real tokens;
     each row gets what it would get alone. When ``eos_id`` is given, a row that emits it is finished and is
     filled with ``eos_id`` while the others go on; the loop ends when all rows are finished. ``stream``, if
-    given, is called with each new (B,) column of tokens. Dropout is off while generating (the model's
-    train/eval mode is restored at the end).
+    given, is called with each new (B,) column of tokens; it may return a (B,) bool mask of rows to finish there
+    as if they had emitted ``eos_id`` (a stop string was written, the reader left), or None. Dropout is off
+    while generating (the model's train/eval mode is restored at the end).
 
     Raises:
         ValueError: negative ``temperature``, ``repetition_penalty`` <= 0, bad ``top_k``/``top_p``,
@@ -679,8 +680,10 @@ def generate(model, idx, max_new_tokens, context_size, temperature=0.0, top_k=No
             if padded:
                 attention_mask = torch.cat((attention_mask, torch.ones_like(attention_mask[:, :1])), dim=1)
             if stream is not None:
-                stream(next_ids)
-            if eos_id is not None and bool(finished.all()):
+                stop = stream(next_ids)
+                if stop is not None:  # rows the caller ends: later tokens of theirs are eos_id (or ignored)
+                    finished |= torch.as_tensor(stop, dtype=torch.bool, device=finished.device)
+            if bool(finished.all()):
                 break
             if cache is not None and idx.shape[1] <= context_size:
                 # one new token against the cached keys/values: positions continue from the cache length

@@ -875,6 +875,23 @@ def test_stream_receives_each_new_column():
     assert torch.equal(torch.tensor(seen).T, out[:, 1:])
 
 
+def test_stream_can_finish_rows():
+    """A stream that returns a row mask ends those rows there: later tokens of theirs are eos_id, and the loop
+    stops once every row is finished, even without an eos_id (a server's stop string or a reader who left)."""
+    model = successor_model()
+    calls = []
+
+    def stop_first_row_then_all(col):
+        calls.append(col.tolist())
+        return [True, len(calls) >= 3]
+
+    out = gm.generate(model, torch.tensor([[1], [9]]), 10, 64, eos_id=0, stream=stop_first_row_then_all)
+    assert out.tolist() == [[1, 2, 0, 0], [9, 10, 11, 12]]
+    assert len(calls) == 3
+    out = gm.generate(model, torch.tensor([[1], [9]]), 10, 64, stream=lambda col: [True, True])
+    assert out.tolist() == [[1, 2], [9, 10]]  # no eos_id: the loop still ends
+
+
 @pytest.mark.parametrize("position_embedding", ["learned", "rope"])
 def test_batched_left_padded_generate_equals_each_row_alone(position_embedding):
     """Left-padded prompts of lengths 9, 3, 6 in one batch give each row's own greedy continuation, also while

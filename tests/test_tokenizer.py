@@ -4,6 +4,7 @@ Expected ids are read straight from bert-base-chinese's ``vocab.txt`` (line numb
 under test; round trips compare with the original text.
 """
 
+import re
 import string
 from pathlib import Path
 
@@ -263,6 +264,48 @@ def test_chat_template_tiny_max_length(tokenizer):
     except ValueError:
         return
     assert len(ids) <= 2
+
+
+def test_chat_messages_of_one_turn_are_the_sft_layout(tokenizer):
+    """One user turn and no system text: exactly chat_prompt_ids, with and without a length limit."""
+    for prompt, limit in (("今天天气", None), ("今天天气", 4), ("一二三四五六七八九十", 6)):
+        assert ct.chat_messages_ids([("user", prompt)], tokenizer, limit) == ct.chat_prompt_ids(prompt, tokenizer, limit)
+
+
+def test_chat_messages_layout_and_cuts(tokenizer, vid):
+    """[CLS] system [SEP] user [ANS] assistant [SEP] user [ANS]; too long: the oldest pair goes first, then the
+    system text, then the start of the last user turn (worked by hand in notes/chinese_tokenizer.md section 5)."""
+    messages = [("system", "你是助手"), ("user", "你好"), ("assistant", "好"), ("user", "今天天气")]
+    full = [101] + vid("你是助手") + [102] + vid("你好") + [5] + vid("好") + [102] + vid("今天天气") + [5]
+    assert ct.chat_messages_ids(messages, tokenizer) == full
+    assert ct.chat_messages_ids(messages, tokenizer, len(full)) == full
+    assert ct.chat_messages_ids(messages, tokenizer, 11) == [101] + vid("你是助手") + [102] + vid("今天天气") + [5]
+    assert ct.chat_messages_ids(messages, tokenizer, 7) == [101] + vid("今天天气") + [5]
+    assert ct.chat_messages_ids(messages, tokenizer, 4) == [101] + vid("天气") + [5]
+    two_systems = [("system", "甲"), ("system", "乙"), ("user", "问")]
+    assert ct.chat_messages_ids(two_systems, tokenizer) == [101] + vid("甲") + [1] + vid("乙") + [102] + vid("问") + [5]  # "\n" is [unused1]
+
+
+@pytest.mark.parametrize("messages, words", [
+    ([], "no user message"),
+    ([("system", "x")], "no user message"),
+    ([("user", "a"), ("user", "b")], "message 2 has role 'user' but 'assistant' is due"),
+    ([("user", "a"), ("assistant", "b")], "ends with an assistant turn"),
+    ([("assistant", "a"), ("user", "b")], "message 1 has role 'assistant'"),
+    ([("user", "a"), ("assistant", "b"), ("system", "c"), ("user", "d")], "message 3 has role 'system'"),
+    ([("tool", "a")], "use system, user or assistant"),
+])
+def test_chat_messages_refuse_bad_conversations(tokenizer, messages, words):
+    with pytest.raises(ValueError, match=re.escape(words)):
+        ct.chat_messages_ids(messages, tokenizer)
+
+
+def test_incremental_decoder_gives_each_piece_once(tokenizer):
+    """Pushing a text's ids one by one hands out the text exactly once, word pieces joined."""
+    text = "你好，playing世界\n再见"
+    ids = ct.encode(text, tokenizer)
+    decoder = ct.IncrementalDecoder(tokenizer)
+    assert "".join(decoder.push(i) for i in ids) == text == decoder.text
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -1,0 +1,583 @@
+"""Chat with a trained checkpoint: an OpenAI-compatible HTTP server and a web chat page.
+
+    python serve.py --checkpoint checkpoints/ppo                 # then open http://127.0.0.1:8000/
+    python serve.py --checkpoint checkpoints/sft --reward checkpoints/rm --port 8080
+
+The server speaks the subset of the OpenAI API that clients rely on, so the ``openai`` package, curl or any chat
+front end can talk to the model (``base_url="http://127.0.0.1:8000/v1"``, any api key):
+
+* ``GET /v1/models``: the one model served; its id is the checkpoint folder's name (``ppo``).
+* ``POST /v1/chat/completions``: ``messages`` (system, then user/assistant turns, ending with a user turn) go
+  through the chat template (``chinese_tokenizer.chat_messages_ids``); needs a chat checkpoint (SFT, PPO, DPO,
+  GRPO). Fields: ``temperature``, ``top_p``, ``max_tokens`` (or ``max_completion_tokens``), ``stop``, ``n``,
+  ``seed``, ``stream`` (server-sent events, ending with ``data: [DONE]``), ``stream_options.include_usage``, and
+  ``top_k`` (an extension, as other servers have it). The reply carries ``usage`` token counts and each choice's
+  ``finish_reason``: ``stop`` ([SEP] or a stop string) or ``length`` (``max_tokens`` reached).
+* ``POST /v1/completions``: plain continuation of ``prompt`` (a string or a list of strings), for any checkpoint.
+* ``GET /``: the chat page (``web/chat.html``: plain HTML and JavaScript, nothing fetched from elsewhere).
+
+Defaults where a request says nothing: temperature 0.8 and top-k 50 (``generate.py``'s; greedy text from a small
+model loops), ``max_tokens`` half the model's context. A long conversation keeps its newest turns: the prompt is
+cut so that prompt + ``max_tokens`` fit in the context. With ``--reward DIR`` every choice carries the reward
+model's score as ``"reward"`` (an extension field) and a non-streamed reply lists its ``n`` choices best first
+(best-of-n); in a stream each choice's last chunk carries its score.
+
+How requests are run: one generation thread owns the model. Requests queue for it; those that arrive together
+and sample alike (same temperature, top-k, top-p, no seed) run as one left-padded batch of up to ``MAX_BATCH``
+rows through ``gpt_model.generate`` with the KV cache, each row ending at its own [SEP], stop string or
+``max_tokens``. Tokens go to each request's own queue, so a slow reader never holds up the thread or the others'
+streams; a reader who disconnects ends its rows at the next token. A request with a ``seed`` runs alone, right
+after seeding torch's generator, so the same request gives the same answer.
+
+Errors come back as OpenAI error objects, ``{"error": {"message", "type", "param", "code"}}``: 400 for a body that
+is not JSON or a request the model cannot serve (empty ``messages``, a role out of order, ``max_tokens`` beyond the
+context), 404 for an unknown model or path, 422 for a field of the wrong type or range (``temperature`` < 0).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import queue
+import socket
+import sys
+import threading
+import time
+import traceback
+import uuid
+from dataclasses import dataclass, field
+
+import torch
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
+from pydantic import BaseModel, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from chinese_tokenizer import EOS_ID, PAD_ID, IncrementalDecoder, chat_messages_ids, decode
+from cli import ArgumentParser, UserError, positive_int, run
+from generate import check_reward_dir, find_latest_checkpoint, load_policy, load_reward, pick_device, prompt_to_ids
+from gpt_model import generate
+from reward import score_texts
+
+PAGE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "web", "chat.html")
+MAX_BATCH = 16  # rows generated together; also the largest n
+MAX_STOP = 4  # stop strings per request, as in the OpenAI API
+DEFAULT_TEMPERATURE = 0.8  # generate.py's defaults: greedy text from a small model loops
+DEFAULT_TOP_K = 50
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+# --- requests ----------------------------------------------------------------------------------------------------
+
+class Message(BaseModel):
+    role: str
+    content: str | list[dict] = ""
+
+
+class Sampling(BaseModel):
+    """The fields chat and completion requests share (OpenAI's names; ``top_k`` is an extension)."""
+    model: str | None = None
+    temperature: float | None = Field(None, ge=0.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=0)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    stop: str | list[str] | None = None
+    n: int = Field(1, ge=1, le=MAX_BATCH)
+    seed: int | None = None
+    stream: bool = False
+    stream_options: dict | None = None
+
+
+class ChatRequest(Sampling):
+    messages: list[Message]
+
+
+class CompletionRequest(Sampling):
+    prompt: str | list[str]
+
+
+class ApiError(Exception):
+    """A request the server refuses: becomes an OpenAI error object with this HTTP status."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+
+def error_body(message: str, status: int, param=None, code=None) -> dict:
+    kind = "server_error" if status >= 500 else "invalid_request_error"
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def message_text(message: Message, i: int) -> str:
+    """A message's text: a string, or the ``text`` parts of a content list."""
+    if isinstance(message.content, str):
+        return message.content
+    texts = []
+    for part in message.content:
+        if part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise ApiError(400, f"messages[{i}].content: only text parts are supported, got {part.get('type')!r}",
+                           f"messages[{i}].content")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+# --- generation --------------------------------------------------------------------------------------------------
+
+@dataclass
+class Job:
+    """One request's work for the generation thread: ``n`` continuations of one prompt (a completion request with
+    several prompts is several jobs). Events go to ``events`` on the request's event loop:
+    ``("text", choice, str)``, ``("end", choice, finish_reason, completion_tokens)``, ``("error", message)``."""
+    prompt_ids: list[int]
+    n: int
+    max_tokens: int
+    temperature: float
+    top_k: int | None
+    top_p: float | None
+    seed: int | None
+    stop: list[str]
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+    def batch_key(self):
+        """Jobs with equal keys can share one ``generate`` call; a seeded job shares with none."""
+        return (self.temperature, self.top_k, self.top_p) if self.seed is None else id(self)
+
+    def send(self, *event) -> None:
+        self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+
+
+class Row:
+    """One continuation being written: its decoder, what has been sent, and why it ended."""
+
+    def __init__(self, job: Job, choice: int, tokenizer):
+        self.job, self.choice = job, choice
+        self.decoder, self.sent, self.tokens, self.finish = IncrementalDecoder(tokenizer), 0, 0, None
+
+    def push(self, token: int) -> bool:
+        """Take the row's next token; returns True when the row has ended (and sends its events)."""
+        if self.finish is not None:
+            return True
+        if self.job.cancelled.is_set():  # the client left: nobody reads this row any more
+            self.finish = "cancelled"
+            return True
+        self.tokens += 1
+        if token == EOS_ID:
+            return self.end("stop")
+        self.decoder.push(token)
+        text, safe = self.decoder.text, len(self.decoder.text)
+        for s in self.job.stop:
+            at = text.find(s)
+            if at >= 0:
+                safe = min(safe, at)
+        if safe < len(text):  # a stop string was written: the text ends just before it
+            return self.end("stop", text[:safe])
+        # hold back an end of the text that may be the start of a stop string
+        for s in self.job.stop:
+            for k in range(min(len(s) - 1, len(text)), 0, -1):
+                if text.endswith(s[:k]):
+                    safe = min(safe, len(text) - k)
+                    break
+        self.send_text(text[:safe])
+        if self.tokens >= self.job.max_tokens:
+            return self.end("length")
+        return False
+
+    def send_text(self, text: str) -> None:
+        if len(text) > self.sent:
+            self.job.send("text", self.choice, text[self.sent:])
+            self.sent = len(text)
+
+    def end(self, reason: str, text: str | None = None) -> bool:
+        self.send_text(self.decoder.text if text is None else text)
+        self.finish = reason
+        self.job.send("end", self.choice, reason, self.tokens)
+        return True
+
+
+class Generator:
+    """The thread that owns the model and runs queued jobs in batches (see the module docstring)."""
+
+    def __init__(self, model, tokenizer):
+        self.model, self.tokenizer = model, tokenizer
+        self.device = next(model.parameters()).device
+        self.jobs: queue.Queue[Job] = queue.Queue()
+        self.thread = threading.Thread(target=self.loop, name="generator", daemon=True)
+        self.thread.start()
+
+    def submit(self, job: Job) -> None:
+        self.jobs.put(job)
+
+    def take_batch(self) -> list[Job]:
+        """The first queued job and the queued jobs that can share its batch (the others keep their order)."""
+        batch = [self.jobs.get()]
+        rows, waiting = batch[0].n, []
+        while True:
+            try:
+                job = self.jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job.batch_key() == batch[0].batch_key() and rows + job.n <= MAX_BATCH:
+                batch.append(job)
+                rows += job.n
+            else:
+                waiting.append(job)
+        for job in waiting:
+            self.jobs.put(job)
+        return batch
+
+    def loop(self) -> None:
+        while True:
+            batch = self.take_batch()
+            batch = [job for job in batch if not job.cancelled.is_set()]
+            if not batch:
+                continue
+            try:
+                self.run(batch)
+            except Exception as e:  # a failed batch fails its requests, never the server
+                traceback.print_exc()
+                for job in batch:
+                    job.send("error", f"generation failed: {type(e).__name__}: {e}")
+
+    def run(self, batch: list[Job]) -> None:
+        """Generate every row of ``batch`` in one left-padded ``generate`` call."""
+        rows = [Row(job, c, self.tokenizer) for job in batch for c in range(job.n)]
+        prompts = [row.job.prompt_ids for row in rows]
+        width = max(map(len, prompts))
+        input_ids = torch.tensor([[PAD_ID] * (width - len(p)) + p for p in prompts], device=self.device)  # (B, T)
+        attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.device)
+        first = batch[0]
+        if first.seed is not None:
+            torch.manual_seed(first.seed)
+
+        def stream(next_ids):  # (B,)
+            return [row.push(token) for row, token in zip(rows, next_ids.tolist())]
+
+        generate(self.model, input_ids, max(job.max_tokens for job in batch), self.model.cfg.context_length,
+                 temperature=first.temperature, top_k=first.top_k, top_p=first.top_p, eos_id=EOS_ID,
+                 attention_mask=attention_mask, stream=stream)
+        for row in rows:  # a row still open when generate returned has used its max_tokens
+            if row.finish is None:
+                row.end("length")
+        left = [(row.tokens, row.job.max_tokens) for row in rows if row.finish == "cancelled"]
+        if left:
+            tokens, limit = max(left)
+            log(f"stopped {len(left)} row(s) whose client left, after {tokens} of {limit} tokens")
+
+
+# --- the app -----------------------------------------------------------------------------------------------------
+
+def create_app(model, tokenizer, chat: bool, model_id: str, reward_model=None) -> FastAPI:
+    """The FastAPI app serving ``model`` (see the module docstring); starts its generation thread."""
+    app = FastAPI(title="手搓 GPT-2", docs_url=None, redoc_url=None)
+    generator = Generator(model, tokenizer)
+    context = model.cfg.context_length
+    created = int(time.time())
+
+    @app.exception_handler(ApiError)
+    async def api_error(request: Request, e: ApiError):
+        return JSONResponse(error_body(e.message, e.status, e.param, e.code), status_code=e.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, e: RequestValidationError):
+        first = e.errors()[0]
+        if first.get("type") == "json_invalid":
+            return JSONResponse(error_body(f"the request body is not valid JSON: {first.get('msg')}", 400), 400)
+        if tuple(first.get("loc", ())) == ("body",):
+            return JSONResponse(error_body("the request body must be a JSON object (Content-Type: "
+                                           "application/json)", 400), 400)
+        param = ".".join(str(part) for part in first.get("loc", ())[1:]) or None
+        return JSONResponse(error_body(f"{param or 'body'}: {first.get('msg')}", 422, param), 422)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, e: StarletteHTTPException):
+        message = f"no route {request.method} {request.url.path}" if e.status_code in (404, 405) else str(e.detail)
+        return JSONResponse(error_body(message, e.status_code, code="not_found" if e.status_code == 404 else None),
+                            e.status_code)
+
+    @app.exception_handler(Exception)
+    async def crashed(request: Request, e: Exception):
+        traceback.print_exc()
+        return JSONResponse(error_body(f"internal error: {type(e).__name__}: {e}", 500), 500)
+
+    @app.get("/")
+    async def page():
+        return FileResponse(PAGE, media_type="text/html; charset=utf-8")
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [model_card()]}
+
+    def model_card() -> dict:
+        return {"id": model_id, "object": "model", "created": created, "owned_by": "local",
+                "context_length": context, "chat": chat}
+
+    @app.get("/v1/models/{name}")
+    async def one_model(name: str):
+        check_model(name)
+        return model_card()
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name != model_id:
+            raise ApiError(404, f"model {name!r} is not served here; this server has {model_id!r}", "model",
+                           "model_not_found")
+
+    def budget(req: Sampling, shortest_prompt: int) -> int:
+        """The request's max_tokens, checked against the context."""
+        limit = context - shortest_prompt
+        wanted = req.max_completion_tokens or req.max_tokens
+        if wanted is None:
+            return context // 2
+        if wanted > limit:
+            name = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
+            raise ApiError(400, f"{name} {wanted} is beyond the model's context of {context} tokens: ask for at "
+                                f"most {limit} (the prompt needs at least {shortest_prompt})", name)
+        return wanted
+
+    def stops(req: Sampling) -> list[str]:
+        stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        if len(stop) > MAX_STOP:
+            raise ApiError(400, f"stop has {len(stop)} strings; give at most {MAX_STOP}", "stop")
+        return [s for s in stop if s]
+
+    def new_job(req: Sampling, prompt_ids: list[int], max_tokens: int) -> Job:
+        temperature = DEFAULT_TEMPERATURE if req.temperature is None else req.temperature
+        top_k = DEFAULT_TOP_K if req.top_k is None else req.top_k
+        top_p = req.top_p if req.top_p is not None and req.top_p < 1.0 else None
+        return Job(prompt_ids, req.n, max_tokens, temperature, top_k or None, top_p, req.seed, stops(req),
+                   asyncio.get_running_loop(), asyncio.Queue())
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(req: ChatRequest):
+        check_model(req.model)
+        if not chat:
+            raise ApiError(400, f"{model_id} is a plain language model (not trained on the chat template); use "
+                                f"/v1/completions, or serve an SFT, PPO, DPO or GRPO checkpoint", "messages")
+        if not req.messages:
+            raise ApiError(400, "messages is empty: give at least one user message", "messages")
+        turns = [(m.role, message_text(m, i)) for i, m in enumerate(req.messages)]
+        max_tokens = budget(req, 3)  # [CLS], one token, [ANS]
+        try:
+            ids = chat_messages_ids(turns, tokenizer, context - max_tokens)
+        except ValueError as e:
+            raise ApiError(400, str(e), "messages") from e
+        prompt = turns[-1][1]
+        return await respond(req, [new_job(req, ids, max_tokens)], [prompt], "chat.completion")
+
+    @app.post("/v1/completions")
+    async def completions(req: CompletionRequest):
+        check_model(req.model)
+        prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
+        if not prompts or any(not p for p in prompts):
+            raise ApiError(400, "prompt is empty: give some text to continue", "prompt")
+        if len(prompts) * req.n > MAX_BATCH:
+            raise ApiError(400, f"{len(prompts)} prompts x n={req.n} is more than {MAX_BATCH} completions", "n")
+        start = 0 if model.cfg.bos_id is None else 1
+        max_tokens = budget(req, start + 1)
+        jobs = [new_job(req, prompt_to_ids(p, tokenizer, False, context - max_tokens, model.cfg.bos_id),
+                        max_tokens) for p in prompts]
+        return await respond(req, jobs, prompts, "text_completion")
+
+    async def respond(req: Sampling, jobs: list[Job], prompts: list[str], kind: str):
+        for job in jobs:
+            generator.submit(job)
+        rid = ("chatcmpl-" if kind == "chat.completion" else "cmpl-") + uuid.uuid4().hex[:24]
+        usage = {"prompt_tokens": sum(len(j.prompt_ids) for j in jobs), "completion_tokens": 0}
+        started = time.perf_counter()
+        if req.stream:
+            return StreamingResponse(stream_events(rid, req, jobs, prompts, kind, usage, started),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        try:
+            choices = await collect(jobs, req.n)
+        except asyncio.CancelledError:
+            for job in jobs:
+                job.cancelled.set()
+            raise
+        for (j, c), ch in choices.items():
+            usage["completion_tokens"] += ch["tokens"]
+            if reward_model is not None:
+                ch["reward"] = reward_of(prompts[j], ch["text"])
+        order = sorted(choices) if reward_model is None else \
+            sorted(choices, key=lambda k: (k[0], -choices[k]["reward"]))  # per prompt, best first
+        out = []
+        for index, key in enumerate(order):
+            ch = choices[key]
+            item = {"index": index, "finish_reason": ch["finish"], "logprobs": None}
+            if kind == "chat.completion":
+                item["message"] = {"role": "assistant", "content": ch["text"]}
+            else:
+                item["text"] = ch["text"]
+            if "reward" in ch:
+                item["reward"] = ch["reward"]
+            out.append(item)
+        usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+        log_request(kind, usage, [ch["finish"] for ch in choices.values()], started)
+        return {"id": rid, "object": kind, "created": int(time.time()), "model": model_id, "choices": out,
+                "usage": usage}
+
+    async def collect(jobs: list[Job], n: int) -> dict:
+        """Wait for every choice of ``jobs``: {(job, choice): {"text", "finish", "tokens"}}."""
+        choices = {}
+        for j, job in enumerate(jobs):
+            texts, open_ = [""] * n, n
+            while open_:
+                event = await job.events.get()
+                if event[0] == "error":
+                    raise ApiError(500, event[1])
+                if event[0] == "text":
+                    texts[event[1]] += event[2]
+                else:
+                    choices[(j, event[1])] = {"text": texts[event[1]], "finish": event[2], "tokens": event[3]}
+                    open_ -= 1
+        return choices
+
+    def reward_of(prompt: str, text: str) -> float:
+        return round(float(score_texts(reward_model, tokenizer, [prompt], [text])[0]), 4)
+
+    async def stream_events(rid, req, jobs, prompts, kind, usage, started):
+        """Server-sent events: one chunk per piece of text, a last chunk per choice, [DONE]."""
+        created_at = int(time.time())
+        n = req.n
+
+        def chunk(index: int, text: str | None, finish: str | None = None, first: bool = False, extra=None):
+            if kind == "chat.completion":
+                delta = {"role": "assistant", "content": ""} if first else ({} if text is None else {"content": text})
+                choice = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": None}
+                obj = "chat.completion.chunk"
+            else:
+                choice = {"index": index, "text": text or "", "finish_reason": finish, "logprobs": None}
+                obj = "text_completion"
+            choice.update(extra or {})
+            body = {"id": rid, "object": obj, "created": created_at, "model": model_id, "choices": [choice]}
+            if req.stream_options and req.stream_options.get("include_usage"):
+                body["usage"] = None
+            return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+        finishes = []
+        try:
+            if kind == "chat.completion":
+                for c in range(n):
+                    yield chunk(c, None, first=True)
+            merged: asyncio.Queue = asyncio.Queue()
+            texts = {}
+
+            async def forward(j, job):
+                while True:
+                    event = await job.events.get()
+                    await merged.put((j, event))
+                    if event[0] == "error":
+                        return
+
+            tasks = [asyncio.create_task(forward(j, job)) for j, job in enumerate(jobs)]
+            open_ = len(jobs) * n
+            try:
+                while open_:
+                    j, event = await merged.get()
+                    if event[0] == "error":
+                        yield f"data: {json.dumps(error_body(event[1], 500), ensure_ascii=False)}\n\n"
+                        finishes.append("error")
+                        break
+                    index = j * n + event[1]
+                    if event[0] == "text":
+                        texts[index] = texts.get(index, "") + event[2]
+                        yield chunk(index, event[2])
+                    else:
+                        open_ -= 1
+                        finishes.append(event[2])
+                        usage["completion_tokens"] += event[3]
+                        extra = {"reward": reward_of(prompts[j], texts.get(index, ""))} if reward_model else None
+                        yield chunk(index, None if kind == "chat.completion" else "", event[2], extra=extra)
+            finally:
+                for task in tasks:
+                    task.cancel()
+            usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+            if req.stream_options and req.stream_options.get("include_usage"):
+                body = {"id": rid, "object": "chat.completion.chunk" if kind == "chat.completion" else
+                        "text_completion", "created": created_at, "model": model_id, "choices": [], "usage": usage}
+                yield f"data: {json.dumps(body)}\n\n"
+            yield "data: [DONE]\n\n"
+        finally:  # also when the client went away: its rows end at their next token
+            for job in jobs:
+                job.cancelled.set()
+            if len(finishes) < len(jobs) * n:
+                finishes.append("cancelled")
+            log_request(kind + " (stream)", usage, finishes, started)
+
+    return app
+
+
+def log_request(kind: str, usage: dict, finishes: list[str], started: float) -> None:
+    log(f"{kind}: {usage['prompt_tokens']} prompt tokens, {usage['completion_tokens']} completion tokens, "
+        f"finish {','.join(sorted(set(finishes)))}, {time.perf_counter() - started:.2f} s")
+
+
+# --- the command line --------------------------------------------------------------------------------------------
+
+def parse_args(argv=None):
+    p = ArgumentParser(description="Serve a checkpoint over an OpenAI-compatible HTTP API, with a web chat page at /.")
+    source = p.add_mutually_exclusive_group()
+    source.add_argument("--checkpoint", help="stage checkpoint directory (default: the latest of checkpoints/ppo, "
+                                             "checkpoints/sft, checkpoints/pretrain)")
+    source.add_argument("--from_hf", help="a local Hugging Face GPT-2 directory (plain continuation only)")
+    p.add_argument("--tokenizer", help="tokenizer directory for --from_hf")
+    p.add_argument("--reward", help="reward model checkpoint (from 2-RM.py): score every choice, best first")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port (0: any free port)")
+    p.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
+    args = p.parse_args(argv)
+    args.raw = False
+    if not 0 <= args.port <= 65535:
+        raise UserError(f"--port {args.port} is not a TCP port; give 0..65535")
+    return args
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A listening socket, or a ``UserError`` naming the flag when the address cannot be used."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise UserError(f"--host {host} --port {port}: cannot listen there ({e.strerror}); choose another --port "
+                        f"or stop what uses it") from e
+    sock.listen(128)
+    sock.set_inheritable(True)
+    return sock
+
+
+def main(argv=None):
+    import uvicorn
+
+    args = parse_args(argv)
+    if args.reward:
+        check_reward_dir(args.reward)
+    sock = listen(args.host, args.port)
+    device = pick_device(args.device)
+    if args.checkpoint is None and args.from_hf is None:
+        args.checkpoint = find_latest_checkpoint()
+    model, tokenizer, chat = load_policy(args)
+    model.to(device)
+    reward_model = load_reward(args.reward, model.cfg.vocab_size).to(device) if args.reward else None
+    model_id = os.path.basename(os.path.abspath(args.checkpoint or args.from_hf))
+    app = create_app(model, tokenizer, chat, model_id, reward_model)
+    host, port = sock.getsockname()[:2]
+    shown = f"[{host}]" if ":" in host else host
+    log(f"serving {model_id!r} ({'chat' if chat else 'plain continuation'}) on {device}: "
+        f"chat page http://{shown}:{port}/ , API http://{shown}:{port}/v1 ; Ctrl-C stops")
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
+    server.run(sockets=[sock])
+    return 0
+
+
+if __name__ == "__main__":
+    run(main)
