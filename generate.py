@@ -83,6 +83,7 @@ def parse_args(argv=None):
     p.add_argument("--monitors", help="with --prompts_file and --reward: write the monitors (RM score, judge, "
                                       "distinct-2, ...) of best-of-k for k = 1, 2, 4, ... n to this JSON file")
     p.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
+    add_dtype_argument(p)
     args = p.parse_args(argv)
     if args.output and not args.prompts_file:
         raise UserError("--output is only used with --prompts_file; drop it or give --prompts_file")
@@ -296,6 +297,23 @@ def interactive(model, tokenizer, chat: bool, args, reward_model=None) -> None:
         print_answer(prompt, model, tokenizer, chat, args, reward_model)
 
 
+# The weights' precision while generating. fp32 is the default because it was the faster one where it was
+# measured: on the CPU bf16 weights halve the bytes a decode step reads, but torch's bf16 matrix-vector products
+# are slower than its fp32 ones there (bench/bench_decode.py, bench/README.md); no GPU has been measured yet.
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def add_dtype_argument(p) -> None:
+    p.add_argument("--dtype", choices=list(DTYPES), default="fp32",
+                   help="precision of the weights while generating (bf16 halves the memory; on the CPU it was "
+                        "slower, see bench/README.md)")
+
+
+def weight_dtype(model) -> str:
+    """The dtype the model's weights really have, for the log ("float32", "bfloat16")."""
+    return str(next(model.parameters()).dtype).removeprefix("torch.")
+
+
 def pick_device(name: str | None) -> torch.device:
     """``--device``, or cuda when there is a GPU, else cpu."""
     if name is None:
@@ -333,10 +351,10 @@ def main(argv=None):
 
     device = pick_device(args.device)
     model, tokenizer, chat = load_policy(args)
-    model.to(device)
+    model.to(device=device, dtype=DTYPES[args.dtype])
     reward_model = load_reward(args.reward, model.cfg.vocab_size).to(device) if args.reward else None
-    log(f"device {device}; {sum(p.numel() for p in model.parameters()):,} parameters; context "
-        f"{model.cfg.context_length} tokens")
+    log(f"device {device}, {weight_dtype(model)} weights; {sum(p.numel() for p in model.parameters()):,} "
+        f"parameters; context {model.cfg.context_length} tokens")
 
     if args.prompt is not None:
         torch.manual_seed(args.seed)

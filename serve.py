@@ -57,7 +57,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from chinese_tokenizer import EOS_ID, PAD_ID, IncrementalDecoder, chat_messages_ids, decode
 from cli import ArgumentParser, UserError, positive_int, run
-from generate import check_reward_dir, find_latest_checkpoint, load_policy, load_reward, pick_device, prompt_to_ids
+from generate import DTYPES, add_dtype_argument, check_reward_dir, find_latest_checkpoint, load_policy, load_reward, \
+    pick_device, prompt_to_ids, weight_dtype
 from gpt_model import generate
 from reward import score_texts
 
@@ -532,6 +533,7 @@ def parse_args(argv=None):
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (0: any free port)")
     p.add_argument("--device", help="torch device (default: cuda if available, else cpu)")
+    add_dtype_argument(p)
     args = p.parse_args(argv)
     args.raw = False
     if not 0 <= args.port <= 65535:
@@ -566,13 +568,13 @@ def main(argv=None):
     if args.checkpoint is None and args.from_hf is None:
         args.checkpoint = find_latest_checkpoint()
     model, tokenizer, chat = load_policy(args)
-    model.to(device)
+    model.to(device=device, dtype=DTYPES[args.dtype])
     reward_model = load_reward(args.reward, model.cfg.vocab_size).to(device) if args.reward else None
     model_id = os.path.basename(os.path.abspath(args.checkpoint or args.from_hf))
     app = create_app(model, tokenizer, chat, model_id, reward_model)
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
-    log(f"serving {model_id!r} ({'chat' if chat else 'plain continuation'}) on {device}: "
+    log(f"serving {model_id!r} ({'chat' if chat else 'plain continuation'}) on {device}, {weight_dtype(model)} weights: "
         f"chat page http://{shown}:{port}/ , API http://{shown}:{port}/v1 ; Ctrl-C stops")
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
     server.run(sockets=[sock])

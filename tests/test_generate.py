@@ -16,7 +16,7 @@ import torch
 
 import generate as gen
 from checkpoint import load_checkpoint, save_checkpoint
-from chinese_tokenizer import CLS_ID, SEP_ID, chat_prompt_ids, decode, encode
+from chinese_tokenizer import CLS_ID, SEP_ID, chat_prompt_ids, decode, encode, until_eos
 from cli import run
 from gpt_model import GPTModel, RewardModel, get_preset
 
@@ -87,6 +87,24 @@ def test_greedy_sft_uses_chat_template_and_raw_turns_it_off(capsys, ckpts, polic
     _, raw_out, _ = cli(capsys, "--checkpoint", ckpts["sft"], "--raw", *args)
     assert raw_out == decode(greedy(policy, encode(PROMPT, tokenizer), 12), tokenizer) + "\n"
     assert chat_out != raw_out
+
+
+def test_dtype_bf16_generates_with_bf16_weights(capsys, ckpts, policy, tokenizer):
+    """--dtype bf16 casts the weights: the answer is what generate gives with a bf16 copy of the model (and the
+    default is fp32, the cache-less reference above)."""
+    import copy
+
+    from gpt_model import generate
+
+    args = ("--checkpoint", ckpts["pretrain"], "--prompt", PROMPT, "--temperature", 0, "--max_new_tokens", 12)
+    code, out, err = cli(capsys, *args, "--dtype", "bf16")
+    assert code == 0 and "bfloat16 weights" in err
+    ids = encode(PROMPT, tokenizer)
+    half = copy.deepcopy(policy).to(torch.bfloat16)
+    expected = generate(half, torch.tensor([ids]), 12, CONTEXT, eos_id=SEP_ID)[0, len(ids):].tolist()
+    assert out == decode(until_eos(expected), tokenizer) + "\n"
+    code, out, err = cli(capsys, *args)
+    assert "float32 weights" in err and out == decode(greedy(policy, ids, 12), tokenizer) + "\n"
 
 
 def test_greedy_with_repetition_penalty(capsys, ckpts, policy, tokenizer):

@@ -1,0 +1,182 @@
+"""Decoding against its physical limit: each cached decode step must read every weight once (and the KV cache), so
+its time cannot drop below (bytes read per step) / (read bandwidth). This bench measures both in one run.
+
+For each preset, weight dtype (fp32, bf16) and batch size it reports:
+  step     median time of one cached decode step of ``gpt_model.generate`` (greedy, new tokens 4 .. N)
+  bytes    weights read per step (every block matrix, the final norm, the whole output head, B embedding rows)
+           plus the keys and values read from the cache at the measured positions
+  bound    bytes / read bandwidth, where the bandwidth is that of ``torch.sum`` over a buffer of the same size,
+           measured here with the same threads (a working set that fits in the CPU's last-level cache is bounded
+           by the cache's bandwidth, not DRAM's; the DRAM figure over 1 GiB is printed too)
+  ratio    step / bound: 1.0 is the limit
+and the agreement of bf16 weights with fp32 (greedy tokens equal before the first difference, first-step logits),
+and the step time at new token 900 over the step time at new token 10 (context 1024).
+
+    python bench/bench_decode.py                          # demo and gpt2-zh-small, fp32 and bf16, batch 1 and 8
+    python bench/bench_decode.py --presets demo --batches 1
+
+The figures go in bench/README.md ("Decoding against the memory bound").
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from cli import HelpFormatter  # noqa: E402
+from gpt_model import GPTModel, generate, get_preset  # noqa: E402
+
+PROMPT_LEN = 16
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def read_bandwidth(nbytes: int, repeats: int = 7) -> float:
+    """Bytes per second that ``torch.sum`` reads from an fp32 buffer of ``nbytes`` (best of ``repeats`` after a
+    warm-up pass, as a decode step re-reads the same weights)."""
+    buf = torch.ones(max(nbytes // 4, 1024), dtype=torch.float32)
+    buf.sum()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        buf.sum()
+        best = min(best, time.perf_counter() - t)
+    return buf.numel() * 4 / best
+
+
+def weight_bytes_per_step(model: GPTModel, batch: int) -> int:
+    """Bytes of weights one decode step reads: all parameters, except that an untied token-embedding table
+    contributes only its B gathered rows (a tied one is read whole by the output head)."""
+    cfg, total = model.cfg, 0
+    for name, p in model.named_parameters():
+        if name == "tok_emb.weight" and not cfg.tie_embeddings:
+            total += batch * p.shape[1] * p.element_size()
+        elif name == "pos_emb.weight":
+            total += batch * p.shape[1] * p.element_size()
+        else:
+            total += p.numel() * p.element_size()
+    return total
+
+
+def kv_bytes_per_step(cfg, batch: int, positions: float, element_size: int) -> float:
+    """Keys and values read by attention at a step that sees ``positions`` cached tokens."""
+    return 2 * cfg.n_layers * batch * positions * cfg.emb_dim * element_size
+
+
+def step_times(model, batch: int, new_tokens: int, seed: int = 0) -> list[float]:
+    """Seconds of each cached decode step of one greedy generation (the first, full-prompt step left out)."""
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(1, model.cfg.vocab_size, (batch, PROMPT_LEN), generator=g)
+    stamps = []
+    generate(model, idx, new_tokens, model.cfg.context_length, stream=lambda _: stamps.append(time.perf_counter()))
+    return [b - a for a, b in zip(stamps, stamps[1:])]
+
+
+def measure(model, batch: int, new_tokens: int, rounds: int) -> float:
+    """Median decode-step time over ``rounds`` generations, steps 4 .. new_tokens (warmed up)."""
+    step_times(model, batch, 8)
+    times = []
+    for r in range(rounds):
+        times += step_times(model, batch, new_tokens, seed=r)[2:]
+    return statistics.median(times)
+
+
+def agreement(fp32_model, bf16_model, prompts: int, new_tokens: int) -> dict:
+    """How bf16 weights compare with fp32: greedy tokens equal before the first difference (mean over prompts),
+    and the first step's logits (max absolute difference, and the share of prompts whose top token agrees)."""
+    g = torch.Generator().manual_seed(123)
+    idx = torch.randint(1, fp32_model.cfg.vocab_size, (prompts, PROMPT_LEN), generator=g)
+    a = generate(fp32_model, idx, new_tokens, fp32_model.cfg.context_length)[:, PROMPT_LEN:]
+    b = generate(bf16_model, idx, new_tokens, bf16_model.cfg.context_length)[:, PROMPT_LEN:]
+    same = []
+    for row_a, row_b in zip(a.tolist(), b.tolist()):
+        n = next((i for i, (x, y) in enumerate(zip(row_a, row_b)) if x != y), len(row_a))
+        same.append(n)
+    with torch.inference_mode():
+        la = fp32_model(idx)["logits"][:, -1].float()
+        lb = bf16_model(idx)["logits"][:, -1].float()
+    return {"tokens_before_difference": statistics.mean(same), "of": new_tokens,
+            "logits_max_abs_diff": float((la - lb).abs().max()), "logits_scale": float(la.abs().max()),
+            "top1_agree": float((la.argmax(-1) == lb.argmax(-1)).float().mean())}
+
+
+def build(preset: str, dtype: str, context_length: int | None = None) -> GPTModel:
+    cfg = get_preset(preset).replace(drop_rate=0.0)
+    if context_length:
+        cfg = cfg.replace(context_length=context_length)
+    torch.manual_seed(0)
+    model = GPTModel(cfg).eval()
+    return model.to(DTYPES[dtype])
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
+    p.add_argument("--presets", nargs="+", default=["demo", "gpt2-zh-small"])
+    p.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=list(DTYPES))
+    p.add_argument("--batches", nargs="+", type=int, default=[1, 8])
+    p.add_argument("--new_tokens", type=int, default=48, help="tokens per timed generation")
+    p.add_argument("--rounds", type=int, default=3, help="timed generations per figure")
+    p.add_argument("--latency_tokens", type=int, default=900, help="0 skips the token-10 vs token-N latency")
+    p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+
+    print(f"CPU: {cpu_name()}; torch {torch.__version__}, {torch.get_num_threads()} threads")
+    dram = read_bandwidth(1 << 30, repeats=3)
+    print(f"read bandwidth over 1 GiB (DRAM): {dram / 1e9:.1f} GB/s")
+    print()
+    print("| preset | weights | batch | step (ms) | bytes/step (MB) | bandwidth at that size (GB/s) | bound (ms) | "
+          "step / bound |")
+    print("|---|---|---|---|---|---|---|---|")
+    for preset in args.presets:
+        models = {dt: build(preset, dt) for dt in args.dtypes}
+        for dt, model in models.items():
+            for batch in args.batches:
+                step = measure(model, batch, args.new_tokens, args.rounds)
+                element = torch.finfo(DTYPES[dt]).bits // 8
+                positions = PROMPT_LEN + 2 + args.new_tokens / 2  # mean cached length over the measured steps
+                nbytes = weight_bytes_per_step(model, batch) + kv_bytes_per_step(model.cfg, batch, positions, element)
+                bandwidth = read_bandwidth(int(nbytes))
+                bound = nbytes / bandwidth
+                print(f"| {preset} | {dt} | {batch} | {step * 1e3:.2f} | {nbytes / 1e6:.1f} | {bandwidth / 1e9:.1f} "
+                      f"| {bound * 1e3:.2f} | {step / bound:.2f} |", flush=True)
+        if "fp32" in models and "bf16" in models:
+            agree = agreement(models["fp32"], models["bf16"], prompts=8, new_tokens=args.new_tokens)
+            print(f"\n{preset}: bf16 weights vs fp32 (8 random prompts, greedy): "
+                  f"{agree['tokens_before_difference']:.1f} of {agree['of']} tokens equal before the first "
+                  f"difference; first-step logits max |diff| {agree['logits_max_abs_diff']:.3f} "
+                  f"(largest logit {agree['logits_scale']:.2f}), top-1 agrees on {agree['top1_agree']:.0%}\n")
+        del models
+    if args.latency_tokens:
+        print(f"| preset | weights | step at new token 10 (ms) | step at new token {args.latency_tokens} (ms) | "
+              f"ratio |")
+        print("|---|---|---|---|---|")
+        for preset in args.presets:
+            model = build(preset, "fp32", context_length=max(1024, PROMPT_LEN + args.latency_tokens + 8))
+            step_times(model, 1, 8)
+            runs = [step_times(model, 1, args.latency_tokens + 3, seed=r) for r in range(2)]
+            # gap i ends at new token i + 2; take the median of five gaps around each point
+            early = statistics.median(t for run in runs for t in run[6:11])
+            late = statistics.median(t for run in runs for t in run[args.latency_tokens - 4:args.latency_tokens + 1])
+            print(f"| {preset} | fp32 | {early * 1e3:.2f} | {late * 1e3:.2f} | {late / early:.2f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
