@@ -108,6 +108,9 @@ SFT_CAPS = {"definition": 6000, "xiehouyu": 4000, "chat": 100000, "review": 3000
 MAX_RESPONSE_CHARS = 120
 REVIEW_MIN_CHARS, REVIEW_MAX_CHARS = 8, 120
 PPO_VAL_PROMPTS = 48
+# Near-duplicates (the review corpus holds many truncated copies of the same review): after normalisation, one text
+# inside another (the shorter of at least NEAR_DUP_MIN characters), or the same first NEAR_DUP_PREFIX characters.
+NEAR_DUP_MIN, NEAR_DUP_PREFIX = 6, 20
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -506,6 +509,82 @@ def split_documents(docs: list[str], val_frac: float, salt: str = "pretrain") ->
     return {k: hash_sorted(v, salt + ":order") for k, v in out.items()}
 
 
+def near_dup_form(text: str) -> str:
+    """The form near-duplicates are compared in: lower case, letters, digits and CJK only (no whitespace or
+    punctuation), so that "收到后，包装完好。" and "收到后包装完好" are the same text."""
+    return re.sub(r"[\W_]+", "", text).lower()
+
+
+class NearDupIndex:
+    """The texts of a collection, indexed to answer "which of them are near-duplicates of this one?".
+
+    Two texts are near-duplicates when, in ``near_dup_form``, one contains the other (the shorter having at least
+    ``NEAR_DUP_MIN`` characters) or both start with the same ``NEAR_DUP_PREFIX`` characters. Containment is found
+    through an index of every ``NEAR_DUP_MIN``-character piece of the texts up to ``long`` characters (a query
+    contained in a text holds that text's piece at its own start); longer texts (whole documents) are searched
+    directly, and only for the query inside them.
+    """
+
+    def __init__(self, texts, long: int = 400):
+        self.forms = [near_dup_form(t) for t in texts]
+        self.pieces: dict[str, list[int]] = {}
+        self.prefixes: dict[str, list[int]] = {}
+        long_forms = []
+        for i, f in enumerate(self.forms):
+            if len(f) >= NEAR_DUP_PREFIX:
+                self.prefixes.setdefault(f[:NEAR_DUP_PREFIX], []).append(i)
+            if len(f) > long:
+                long_forms.append(f)
+            elif len(f) >= NEAR_DUP_MIN:
+                for piece in {f[j:j + NEAR_DUP_MIN] for j in range(len(f) - NEAR_DUP_MIN + 1)}:
+                    self.pieces.setdefault(piece, []).append(i)
+        self.long_text = "\x00".join(long_forms)
+
+    def matches(self, text: str) -> list[int]:
+        """Indices of the short texts that are near-duplicates of ``text`` (a match inside a long text counts as
+        -1)."""
+        f = near_dup_form(text)
+        found = set(self.prefixes.get(f[:NEAR_DUP_PREFIX], [])) if len(f) >= NEAR_DUP_PREFIX else set()
+        if len(f) >= NEAR_DUP_MIN:
+            found |= {i for i in self.pieces.get(f[:NEAR_DUP_MIN], []) if f in self.forms[i]}  # text inside them
+            for j in range(len(f) - NEAR_DUP_MIN + 1):  # them inside text: each starts at some piece of text
+                found |= {i for i in self.pieces.get(f[j:j + NEAR_DUP_MIN], [])
+                          if len(self.forms[i]) <= len(f) and self.forms[i] in f}
+            if f in self.long_text:
+                found.add(-1)
+        return sorted(found)
+
+
+def near_duplicate_groups(texts: list[str]) -> dict[str, str]:
+    """text -> the key of its near-duplicate group (the smallest member): texts joined by a chain of
+    near-duplicate pairs share a key, so a split decided by the key keeps every copy of a review together."""
+    index = NearDupIndex(texts)
+    parent = list(range(len(texts)))
+
+    def root(i):
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    for i, t in enumerate(texts):
+        for j in index.matches(t):
+            if j >= 0:
+                a, b = root(i), root(j)
+                if a != b:
+                    parent[max(a, b)] = min(a, b)
+    members: dict[int, list[str]] = {}
+    for i, t in enumerate(texts):
+        members.setdefault(root(i), []).append(t)
+    return {t: min(group) for group in members.values() for t in group}
+
+
+def count_near_duplicates(queries: list[str], texts: list[str]) -> int:
+    """How many of ``queries`` have a near-duplicate among ``texts`` (``NearDupIndex``)."""
+    index = NearDupIndex(texts)
+    return sum(bool(index.matches(q)) for q in queries)
+
+
 # --------------------------------------------------------------------------------------------------------------
 # Building the data sets
 # --------------------------------------------------------------------------------------------------------------
@@ -612,7 +691,8 @@ def build_reviews(pos_text: str, neg_text: str) -> dict:
     """Reviews -> RM pairs, SFT review-writing pairs and PPO prompts, keeping the RM test reviews unseen.
 
     Each unique review line (lines found in both files dropped) goes by hash to RM ``test`` (10%), ``val`` (5%) or
-    ``train``. RM pairs zip the positive and negative lines of a split, each in hash order. RM-train lines are
+    ``train``; the hash is that of its near-duplicate group (``near_duplicate_groups``), so that a truncated or
+    re-punctuated copy of a test review never lands in a training split. RM pairs zip the positive and negative lines of a split, each in hash order. RM-train lines are
     halved by a second hash: one half feeds the SFT review tasks, the other the PPO prompts (openings of both
     positive and negative reviews, to be written as a 好评). PPO validation prompts come from RM-val lines.
 
@@ -624,9 +704,10 @@ def build_reviews(pos_text: str, neg_text: str) -> dict:
     both = set(pos) & set(neg)
     pos = [x for x in pos if x not in both]
     neg = [x for x in neg if x not in both]
+    group = near_duplicate_groups(pos + neg)
     split = {}
     for line in pos + neg:
-        split[line] = assign_split(line, "review", [("test", RM_TEST), ("val", RM_VAL)], "train")
+        split[line] = assign_split(group[line], "review", [("test", RM_TEST), ("val", RM_VAL)], "train")
     rm = {}
     for name in ("train", "val", "test"):
         p = hash_sorted([x for x in pos if split[x] == name], "pair-pos")
@@ -659,7 +740,8 @@ def build_reviews(pos_text: str, neg_text: str) -> dict:
             ppo_val.append(prompt)
         if len(ppo_val) == PPO_VAL_PROMPTS:
             break
-    counts = {"positive_lines": len(pos), "negative_lines": len(neg), "in_both_dropped": len(both)}
+    counts = {"positive_lines": len(pos), "negative_lines": len(neg), "in_both_dropped": len(both),
+              "near_duplicate_groups": len(set(group.values()))}
     return {"rm": rm, "sft_units": sft_units, "ppo": [{"prompt": p} for p in ppo_prompts],
             "ppo_val": [{"prompt": p} for p in ppo_val], "counts": counts}
 
@@ -850,6 +932,12 @@ def build_all(data_dir: Path, cache_dir: Path, with_poetry: bool, log, rebuild_t
         "ppo/val_prompts.jsonl": reviews["ppo_val"],
     }
 
+    # --- the RM test reviews must have no near-duplicate in any other file
+    test_reviews = [r[k] for r in files["rm/test.jsonl"] for k in ("chosen", "rejected")]
+    near_duplicates = {rel: count_near_duplicates(test_reviews, [v for r in records for v in r.values()])
+                       for rel, records in files.items() if rel != "rm/test.jsonl"}
+    log("near-duplicates of the RM test reviews: " + ", ".join(f"{rel} {n}" for rel, n in near_duplicates.items()))
+
     # --- write: tokenizer, data files, then the manifest last (it marks the outputs as complete)
     if rebuild_tokenizer or not tokenizer_ready(data_dir):
         log("tokenizer")
@@ -871,6 +959,7 @@ def build_all(data_dir: Path, cache_dir: Path, with_poetry: bool, log, rebuild_t
             "chat_questions": len(families["chat"]), "chat_conversations": len(convs), **reviews["counts"],
         },
         "outputs": outputs,
+        "rm_test_near_duplicates": near_duplicates,
     }
     write_atomic(data_dir / "MANIFEST.json",
                  (json.dumps(manifest, ensure_ascii=False, indent=2, sort_keys=True) + "\n").encode("utf-8"))

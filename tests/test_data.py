@@ -134,6 +134,24 @@ def test_rm_splits_disjoint_and_test_unseen(built):
     assert not sft_reviews & lines["val"]  # SFT review tasks use RM-train reviews only
 
 
+@pytest.mark.slow
+def test_rm_test_reviews_have_no_near_duplicates_in_training(built):
+    """No RM-test review is inside, contains, or starts like (20 characters) a text of RM train or the SFT
+    responses, compared the slow way (every pair) in the normalised form; the manifest reports 0 for every file."""
+    manifest = json.loads((built / "MANIFEST.json").read_text(encoding="utf-8"))
+    assert manifest["rm_test_near_duplicates"] and not any(manifest["rm_test_near_duplicates"].values())
+
+    def form(t):
+        return re.sub(r"[\W_]+", "", t).lower()
+
+    test = {form(r[k]) for r in read_jsonl(built / "rm/test.jsonl") for k in ("chosen", "rejected")}
+    train = {form(r[k]) for r in read_jsonl(built / "rm/train.jsonl") for k in ("chosen", "rejected")}
+    train |= {form(r["response"]) for r in read_jsonl(built / "sft/train.jsonl")}
+    close = [(a, b) for a in test for b in train
+             if (len(b) >= 6 and b in a) or (len(a) >= 6 and a in b) or (len(a) >= 20 and a[:20] == b[:20])]
+    assert not close, close[:3]
+
+
 def test_ppo_prompts_disjoint(built):
     train = [r["prompt"] for r in read_jsonl(built / "ppo/prompts.jsonl")]
     val = [r["prompt"] for r in read_jsonl(built / "ppo/val_prompts.jsonl")]
@@ -257,11 +275,51 @@ def test_assign_split_is_order_free_and_deterministic():
     assert splits == prepare.split_documents(list(reversed(texts)), 0.1)
 
 
+def test_near_duplicates_by_hand():
+    """Containment either way after dropping punctuation and case, a shared 20-character start, and nothing for
+    texts shorter than 6 characters or merely similar ones."""
+    assert prepare.near_dup_form("收到后，包装完好。 OK!") == "收到后包装完好ok"
+    texts = ["网上买数码产品就害怕旧货，收到后包装完好，笔记本封条完好，放心",  # 0: holds query 1 below
+             "屏幕",  # 1: too short to count
+             "房间很干净服务员也很热情早餐品种很多味道不错下次还来",  # 2: its first 22 characters start a query below
+             "天气" * 300 + "收到后包装完好笔记本封条完好" + "天气" * 10]  # 3: a long document
+    index = prepare.NearDupIndex(texts)
+    assert index.matches("收到后，包装完好。笔记本封条完好！") == [-1, 0]  # inside text 0 and the long document
+    assert index.matches("网上买数码产品就害怕旧货，收到后包装完好，笔记本封条完好，放心，推荐购买") == [0]  # contains it
+    assert index.matches("屏幕很好") == []  # "屏幕" is shorter than 6 characters
+    assert index.matches("房间很干净，服务员也很热情，早餐品种很多，味道不错，就是价格贵") == [2]
+    assert index.matches("房间很干净，服务员也很热情，早餐一般") == []  # only 14 characters in common at the start
+    assert prepare.count_near_duplicates(["收到后包装完好笔记本", "毫不相干的一句话啊"], texts) == 1
+
+
+def test_near_duplicate_groups_chain_and_key():
+    a, b, c = ("收到后包装完好笔记本封条完好", "网上买数码产品最怕买到旧货，收到后包装完好，笔记本封条完好",
+               "网上买数码产品最怕买到旧货，收到后包装完好，但是有划痕")
+    d = "完全不同的另一条评论内容"
+    groups = prepare.near_duplicate_groups([a, b, c, d])
+    assert groups[a] == groups[b] == groups[c] == min(a, b, c)  # a inside b; b and c start alike
+    assert groups[d] == d
+
+
+def test_near_duplicate_reviews_share_a_split():
+    """A review and its truncated, re-punctuated copies go to one RM split whatever their own hashes say."""
+    base = [f"第{i}次入住这家酒店，服务真的很好，房间也很干净，下次还会再来" for i in range(200)]
+    copies = [t[:t.index("，下次")] + "。" for t in base]  # each a truncated copy of a review
+    neg = "\n".join(f"这本书的内容实在太差了第{i}页" for i in range(200))
+    out = prepare.build_reviews("\n".join(base + copies), neg)
+    where = {x: s for s in ("train", "val", "test") for r in out["rm"][s] for x in (r["chosen"],)}
+    where |= {x: "train" for x in out["sft_units"]}
+    pairs = [(where.get(t), where.get(c)) for t, c in zip(base, copies) if t in where and c in where]
+    assert pairs and all(x == y for x, y in pairs)
+    assert out["counts"]["near_duplicate_groups"] == 200 + 200  # 200 positive pairs, 200 distinct negatives
+
+
 def test_build_reviews_on_small_text():
     pos = "\n".join(f"这家酒店的服务真的很好第{i}次" for i in range(300)) + "\n两个文件都有的一句话\n短\n"
     neg = "\n".join(f"这本书的内容实在太差了第{i}页" for i in range(300)) + "\n两个文件都有的一句话\n"
     out = prepare.build_reviews(pos, neg)
-    assert out["counts"] == {"positive_lines": 300, "negative_lines": 300, "in_both_dropped": 1}
+    assert out["counts"] == {"positive_lines": 300, "negative_lines": 300, "in_both_dropped": 1,
+                             "near_duplicate_groups": 600}
     test_lines = {x for r in out["rm"]["test"] for x in (r["chosen"], r["rejected"])}
     assert test_lines and all("服务" in r["chosen"] and "太差" in r["rejected"] for r in out["rm"]["test"])
     others = {x for s in ("train", "val") for r in out["rm"][s] for x in (r["chosen"], r["rejected"])}
