@@ -3,7 +3,9 @@
 Every (prompt, response) pair goes through the one chat template, ``[CLS] prompt [ANS] response [SEP]``, and the
 loss is the next-token loss on the response only: the prompt and the padding carry label -100, while the first
 response token (predicted at ``[ANS]``) and the closing ``[SEP]`` (the signal to stop) are learned. This is the
-"supervised fine-tuning" step of InstructGPT (Ouyang et al. 2022, section 3.5).
+"supervised fine-tuning" step of InstructGPT (Ouyang et al. 2022, section 3.5). Conversations of several turns
+(``{"messages": [...]}`` files) go through the same template turn after turn, and every assistant turn is learned;
+alpaca files (``{"instruction", "input", "output"}``) are one exchange each (``corpus.CHAT_FORMATS``).
 
 Story of the stage: arguments → data (pairs → template ids → shifted, response-only labels; batches of similar
 length, right-padded) → model from the pretrain checkpoint → the loop (the same AdamW, warm-up + cosine, clipping
@@ -25,7 +27,7 @@ import os
 import torch
 
 from checkpoint import check_output_dir, load_backbone
-from chinese_tokenizer import EOS_ID, chat_prompt_ids, decode, load_tokenizer, until_eos
+from chinese_tokenizer import EOS_ID, chat_messages_ids, decode, load_tokenizer, until_eos
 from cli import UserError, default_path, fill_defaults, positive_int, run, stage_parser
 from corpus import ChatPairs, length_grouped_batches, read_chat_pairs
 from gpt_model import generate
@@ -56,7 +58,8 @@ def parse_args(argv=None):
     p.add_argument("--init", default=default_path("checkpoints", "pretrain"),
                    help="the pretrained checkpoint to fine-tune (written by 0-PRETRAIN.py)")
     p.add_argument("--train_files", nargs="+", default=[default_path("data", "sft", "train.jsonl")],
-                   help='.jsonl files of {"prompt", "response"} rows')
+                   help='.jsonl (or .json array) files of {"prompt", "response"}, alpaca {"instruction", "input", '
+                        '"output"} or {"messages": [{"role", "content"}, ...]} records, told apart per file')
     p.add_argument("--val_files", nargs="+", default=[default_path("data", "sft", "val.jsonl")],
                    help="held-out prompt/response pairs for the validation response loss and sample answers")
     p.add_argument("--max_length", type=positive_int,
@@ -83,9 +86,10 @@ def pick_sample_rows(rows, count: int) -> list[int]:
     return picked[:count]
 
 
-def answer(model, prompt: str, tokenizer, context_length: int) -> str:
-    """The greedy answer to ``prompt`` under the chat template: generated with the KV cache until ``[SEP]``."""
-    ids = chat_prompt_ids(prompt, tokenizer, context_length - 1)  # [CLS] prompt [ANS], one slot left to answer
+def answer(model, messages, tokenizer, context_length: int) -> str:
+    """The greedy next assistant turn after ``messages`` (ending with a user turn) under the chat template,
+    generated with the KV cache until ``[SEP]``."""
+    ids = chat_messages_ids(messages, tokenizer, context_length - 1)  # ... [ANS], one slot left to answer
     idx = torch.tensor([ids], device=next(model.parameters()).device)  # (1, P)
     out = generate(model, idx, MAX_ANSWER_TOKENS, context_length, eos_id=EOS_ID)[0, len(ids):].tolist()
     return decode(until_eos(out), tokenizer)
@@ -124,6 +128,7 @@ def main(argv=None):
         raise UserError(f"--max_length {max_length} must be in 3..{cfg.context_length} (the model's positions)")
 
     # --- data: pairs -> [CLS] prompt [ANS] response [SEP] -> (inputs, response-only labels) ----------------------
+    # (a conversation of several turns: [CLS] user [ANS] assistant [SEP] user [ANS] ..., every assistant turn learned)
     train = ChatPairs(read_chat_pairs(args.train_files, "--train_files"), tokenizer, max_length)
     val = ChatPairs(read_chat_pairs(args.val_files, "--val_files"), tokenizer, max_length)
     for pairs, what in ((train, "train"), (val, "val")):
@@ -150,7 +155,7 @@ def main(argv=None):
         """Response-only val loss and perplexity; greedy answers to the fixed prompts into ``table``, printed."""
         val_loss = evaluate_lm(model, eval_pairs, val.collate, args.batch_size, accelerator)
         table[:] = [{"prompt": r["prompt"], "reference": r["response"],
-                     "answer": answer(stage.saved, r["prompt"], tokenizer, cfg.context_length)}
+                     "answer": answer(stage.saved, r["messages"][:-1], tokenizer, cfg.context_length)}
                     for r in sample_rows]  # greedy: uses no randomness, so exact resume is unaffected
         lines = "\n".join(f"  {r['prompt']} -> {shown(r['answer'])}" for r in table)
         stage.print(f"step {stage.step}: val response loss {val_loss:.3f}, perplexity "

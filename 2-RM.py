@@ -53,8 +53,8 @@ def parse_args(argv=None):
                    help="checkpoint whose GPT weights start the backbone: the SFT stage's output (a reward "
                         "checkpoint gives its backbone; the scalar head always starts new)")
     p.add_argument("--train_files", nargs="+", default=[default_path("data", "rm", "train.jsonl")],
-                   help='.jsonl files or globs of {"prompt","chosen","rejected"} lines '
-                        '(pointwise: {"text","label"} lines are accepted too)')
+                   help='.jsonl files or globs of {"prompt","chosen","rejected"} lines, or chosen/rejected '
+                        'conversations (lists of {"role","content"}); pointwise: {"text","label"} lines too')
     p.add_argument("--val_files", nargs="+", default=[default_path("data", "rm", "val.jsonl")],
                    help="preference pairs for accuracy and margin during training")
     p.add_argument("--test_files", nargs="+", default=[default_path("data", "rm", "test.jsonl")],

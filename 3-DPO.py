@@ -56,7 +56,8 @@ def parse_args(argv=None):
     p.add_argument("--policy", default=default_path("checkpoints", "sft"),
                    help="SFT checkpoint: the policy to train and its frozen reference")
     p.add_argument("--train_files", nargs="+", default=[default_path("data", "rm", "train.jsonl")],
-                   help='.jsonl files or globs of {"prompt","chosen","rejected"} lines (the RM\'s training pairs)')
+                   help='.jsonl files or globs of {"prompt","chosen","rejected"} lines or chosen/rejected '
+                        'conversations (the RM\'s training pairs)')
     p.add_argument("--val_files", nargs="+", default=[default_path("data", "rm", "val.jsonl")],
                    help="preference pairs for the implicit-reward accuracy and margin during training")
     p.add_argument("--beta", type=positive_float,

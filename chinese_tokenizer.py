@@ -152,9 +152,13 @@ def chat_prompt_ids(prompt: str, tokenizer: BertTokenizerFast, max_length: int |
 
 
 def apply_chat_template(
-    prompt: str, response: str, tokenizer: BertTokenizerFast, max_length: int | None = None
+    prompt, response: str, tokenizer: BertTokenizerFast, max_length: int | None = None
 ) -> tuple[list[int], list[int], bool]:
     """Turn one (prompt, response) pair into ids and a mask of the response positions.
+
+    ``prompt`` is a string, or a whole conversation before the response as ``(role, content)`` pairs ending with a
+    user turn; a conversation goes through ``chat_conversation_ids`` with the response as its last assistant turn
+    (only that turn in the mask), so a reward model or DPO reads several turns the way SFT writes them.
 
     Layout: ``[CLS] prompt [ANS] response [SEP]``. ``response_mask[i] == 1`` where ``input_ids[i]`` belongs to the
     response (its tokens and the closing ``[SEP]``, which is what the model must learn to emit). If the pair is
@@ -168,6 +172,11 @@ def apply_chat_template(
         ``(input_ids, response_mask, truncated)``: two lists of equal length L <= max_length, and whether anything
         was cut.
     """
+    if not isinstance(prompt, str):
+        input_ids, mask, truncated = chat_conversation_ids(list(prompt) + [("assistant", response)], tokenizer,
+                                                           max_length)
+        last = len(mask) - mask[::-1].index(0)  # the response: the mask's last run of ones
+        return input_ids, [0] * last + mask[last:], truncated
     prompt_ids = encode(prompt, tokenizer)
     response_ids = encode(response, tokenizer) + [SEP_ID]
     truncated = False
@@ -185,6 +194,35 @@ def apply_chat_template(
     input_ids = [CLS_ID] + prompt_ids + [ANSWER_ID] + response_ids
     response_mask = [0] * (len(prompt_ids) + 2) + [1] * len(response_ids)
     return input_ids, response_mask, truncated
+
+
+def split_conversation(messages, last: str) -> tuple[str, list[str]]:
+    """``messages`` as ``(role, content)`` pairs -> (the system text, the user/assistant texts in order).
+
+    System messages may only come first (several are joined by newlines); then user and assistant turns alternate,
+    starting with a user turn and ending with a ``last`` one ("user": a prompt to answer; "assistant": a training
+    example). Raises ``ValueError`` naming the first message out of place.
+    """
+    messages = list(messages)
+    system = []
+    while messages and messages[0][0] == "system":
+        system.append(messages.pop(0)[1])
+    if not messages:
+        raise ValueError("the conversation has no user message: end it with a user turn for the model to answer"
+                         if last == "user" else "the conversation has no user and assistant turns")
+    for i, (role, _) in enumerate(messages):
+        expected = "user" if i % 2 == 0 else "assistant"
+        if role != expected:
+            where = f"message {len(system) + i + 1} has role {role!r}"
+            if role not in ("system", "user", "assistant"):
+                raise ValueError(f"{where}; use system, user or assistant")
+            raise ValueError(f"{where} but {expected!r} is due: system messages come first, then user and "
+                             f"assistant turns alternate")
+    if messages[-1][0] != last:
+        raise ValueError("the conversation ends with an assistant turn: end it with the user turn to answer"
+                         if last == "user" else "the conversation ends with a user turn: end it with the "
+                                                "assistant's answer to learn")
+    return "\n".join(system), [text for _, text in messages]
 
 
 def chat_messages_ids(messages, tokenizer: BertTokenizerFast, max_length: int | None = None) -> list[int]:
@@ -207,26 +245,11 @@ def chat_messages_ids(messages, tokenizer: BertTokenizerFast, max_length: int | 
         ValueError: no user turn, a role out of order (the message says which one), an unknown role, or
             ``max_length`` < 3.
     """
-    messages = list(messages)
-    system = []
-    while messages and messages[0][0] == "system":
-        system.append(messages.pop(0)[1])
-    if not messages:
-        raise ValueError("the conversation has no user message: end it with a user turn for the model to answer")
-    for i, (role, _) in enumerate(messages):
-        expected = "user" if i % 2 == 0 else "assistant"
-        if role != expected:
-            where = f"message {len(system) + i + 1} has role {role!r}"
-            if role not in ("system", "user", "assistant"):
-                raise ValueError(f"{where}; use system, user or assistant")
-            raise ValueError(f"{where} but {expected!r} is due: system messages come first, then user and "
-                             f"assistant turns alternate")
-    if messages[-1][0] != "user":
-        raise ValueError("the conversation ends with an assistant turn: end it with the user turn to answer")
+    system, texts = split_conversation(messages, last="user")
     if max_length is not None and max_length < 3:
         raise ValueError(f"max_length must be >= 3 ([CLS], [ANS] and one token), got {max_length}")
-    head = encode("\n".join(system), tokenizer) + [SEP_ID] if system else []
-    turns = [encode(text, tokenizer) + [ANSWER_ID if role == "user" else SEP_ID] for role, text in messages]
+    head = encode(system, tokenizer) + [SEP_ID] if system else []
+    turns = [encode(text, tokenizer) + [SEP_ID if i % 2 else ANSWER_ID] for i, text in enumerate(texts)]
     pairs = [turns[i] + turns[i + 1] for i in range(0, len(turns) - 1, 2)]  # (user, assistant) before the last
     last = turns[-1]
     if max_length is not None:
@@ -237,6 +260,56 @@ def chat_messages_ids(messages, tokenizer: BertTokenizerFast, max_length: int | 
             head = []
         last = last[-room:]  # the end of the last user turn, its [ANS] included
     return [CLS_ID] + head + [token for pair in pairs for token in pair] + last
+
+
+def chat_conversation_ids(messages, tokenizer: BertTokenizerFast,
+                          max_length: int | None = None) -> tuple[list[int], list[int], bool]:
+    """A whole conversation as a training example: ids and a mask of the tokens the model must learn to write.
+
+    ``messages``: ``(role, content)`` pairs as for ``chat_messages_ids``, but ending with an ``assistant`` turn.
+    The layout is the same, each assistant turn followed by its ``[SEP]``::
+
+        [CLS] system [SEP] user_1 [ANS] assistant_1 [SEP] ... user_n [ANS] assistant_n [SEP]
+
+    ``assistant_mask[i] == 1`` on every assistant turn's tokens and its closing ``[SEP]``; the system text and the
+    user turns are context only. One (user, assistant) pair with no system text gives exactly
+    ``apply_chat_template`` (ids, mask and truncation): the layout of ``{"prompt", "response"}`` rows.
+
+    Longer than ``max_length``: the oldest (user, assistant) pairs go first, then the system text; a last pair that
+    still does not fit is cut by ``apply_chat_template``'s rule (the user turn from its left, then the answer
+    from its right).
+
+    Raises:
+        ValueError: a conversation out of order (see ``split_conversation``) or ``max_length`` < 3.
+
+    Returns:
+        ``(input_ids, assistant_mask, truncated)``.
+    """
+    system, texts = split_conversation(messages, last="assistant")
+    if max_length is not None and max_length < 3:
+        raise ValueError(f"max_length must be >= 3 ([CLS], [ANS] and one token), got {max_length}")
+    head = encode(system, tokenizer) + [SEP_ID] if system else []
+    pairs = [(encode(texts[i], tokenizer) + [ANSWER_ID], encode(texts[i + 1], tokenizer) + [SEP_ID])
+             for i in range(0, len(texts), 2)]
+    truncated = False
+
+    def length():
+        return 1 + len(head) + sum(len(user) + len(reply) for user, reply in pairs)
+
+    if max_length is not None:
+        while len(pairs) > 1 and length() > max_length:
+            pairs.pop(0)
+            truncated = True
+        if head and length() > max_length:
+            head, truncated = [], True
+        if length() > max_length:  # one pair that does not fit alone
+            ids, mask, _ = apply_chat_template(texts[-2], texts[-1], tokenizer, max_length)
+            return ids, mask, True
+    input_ids, mask = [CLS_ID] + head, [0] * (1 + len(head))
+    for user, reply in pairs:
+        input_ids += user + reply
+        mask += [0] * len(user) + [1] * len(reply)
+    return input_ids, mask, truncated
 
 
 class IncrementalDecoder:

@@ -25,7 +25,7 @@ import os
 import numpy as np
 import torch
 
-from chinese_tokenizer import PAD_ID, SEP_ID, apply_chat_template, normalize_text
+from chinese_tokenizer import PAD_ID, SEP_ID, chat_conversation_ids, normalize_text, split_conversation
 from cli import UserError
 
 
@@ -57,44 +57,189 @@ def read_lines(path: str) -> list[str]:
         raise UserError(f"{path} is not UTF-8 text (bad byte at offset {e.start}); convert it to UTF-8") from e
 
 
+def read_records(path: str) -> list[tuple[str, object]]:
+    """The records of a JSON-lines file, or of a ``.json`` file holding one JSON array (how alpaca-style data sets
+    are often published), each with where it came from ("FILE line N" or "FILE item N") for error messages.
+
+    Blank lines are skipped. Raises ``UserError`` naming the file and line of the first line that is not JSON.
+    """
+    lines = read_lines(path)
+    if path.endswith(".json") and lines and lines[0].lstrip().startswith("["):
+        try:
+            items = json.loads("\n".join(lines))
+        except ValueError as e:
+            raise UserError(f"{path} is not valid JSON ({e.msg} at line {e.lineno}); fix the file") from e
+        return [(f"{path} item {i}", item) for i, item in enumerate(items, start=1)]
+    records = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            records.append((f"{path} line {number}", json.loads(line)))
+        except ValueError as e:
+            raise UserError(f"{path} line {number} is not valid JSON ({e.msg}); fix or remove that line") from e
+    return records
+
+
+def check_fields(where: str, row, fields: tuple[str, ...], optional: tuple[str, ...] = ()) -> None:
+    """``row`` must be a JSON object holding each of ``fields`` as a non-empty string (and each of ``optional``, if
+    present, as a string). Raises ``UserError`` naming ``where`` and the field."""
+    if not isinstance(row, dict):
+        raise UserError(f"{where} is not a JSON object; expected fields {list(fields)}")
+    for field in fields:
+        value = row.get(field)
+        if not isinstance(value, str) or not value.strip():
+            problem = "is missing" if field not in row else f"is not a non-empty string ({type(value).__name__})"
+            raise UserError(f"{where}: field '{field}' {problem}; every line needs {list(fields)}")
+    for field in optional:
+        if field in row and not isinstance(row[field], str):
+            raise UserError(f"{where}: field '{field}' must be a string, got {type(row[field]).__name__}")
+
+
 def read_jsonl(path: str, fields: tuple[str, ...]) -> list[dict]:
-    """Rows of a JSON-lines file; every row must hold each of ``fields`` as a non-empty string.
+    """Rows of a JSON-lines file (or a ``.json`` array); every row must hold each of ``fields`` as a non-empty
+    string.
 
     Blank lines are skipped. Raises ``UserError`` naming the file and line for the first bad row, or if the file
     holds no row.
     """
     rows = []
-    for number, line in enumerate(read_lines(path), start=1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except ValueError as e:
-            raise UserError(f"{path} line {number} is not valid JSON ({e.msg}); fix or remove that line") from e
-        if not isinstance(row, dict):
-            raise UserError(f"{path} line {number} is not a JSON object; expected fields {list(fields)}")
-        for field in fields:
-            value = row.get(field)
-            if not isinstance(value, str) or not value.strip():
-                problem = "is missing" if field not in row else f"is not a non-empty string ({type(value).__name__})"
-                raise UserError(f"{path} line {number}: field '{field}' {problem}; every line needs {list(fields)}")
+    for where, row in read_records(path):
+        check_fields(where, row, fields)
         rows.append(row)
     if not rows:
         raise UserError(f"{path} holds no rows; expected JSON lines with fields {list(fields)}")
     return rows
 
 
+# The conversation formats SFT reads, told apart by the fields of a file's first record.
+CHAT_FORMATS = {
+    "prompt/response": 'our own {"prompt", "response"}',
+    "alpaca": '{"instruction", "input" (optional), "output"}, as in Stanford Alpaca',
+    "messages": '{"messages": [{"role", "content"}, ...]}, several turns, as in the OpenAI chat format',
+}
+
+
+def chat_format(row) -> str:
+    """Which of ``CHAT_FORMATS`` a record is in (by its fields); "prompt/response" when it has none of the others'."""
+    if isinstance(row, dict) and "messages" in row:
+        return "messages"
+    if isinstance(row, dict) and "instruction" in row:
+        return "alpaca"
+    return "prompt/response"
+
+
+def conversation_of(where: str, row, fmt: str) -> list[tuple[str, str]]:
+    """One record of format ``fmt`` -> its conversation as ``(role, content)`` pairs (a ``"system"`` field of a
+    prompt/response or alpaca record becomes the system message). Raises ``UserError`` naming ``where`` and what
+    is wrong (a missing field, a bad message, turns out of order)."""
+    if fmt == "prompt/response":
+        check_fields(where, row, ("prompt", "response"), ("system",))
+        turns = [("user", row["prompt"]), ("assistant", row["response"])]
+    elif fmt == "alpaca":
+        check_fields(where, row, ("instruction", "output"), ("input", "system"))
+        user = row["instruction"] + ("\n" + row["input"] if row.get("input", "").strip() else "")
+        turns = [("user", user), ("assistant", row["output"])]
+    else:
+        messages = row.get("messages") if isinstance(row, dict) else None
+        if not isinstance(messages, list) or not messages:
+            raise UserError(f"{where}: field 'messages' must be a non-empty list of {{\"role\", \"content\"}}")
+        turns = []
+        for i, m in enumerate(messages, start=1):
+            if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+                raise UserError(f"{where}: message {i} must be an object with string 'role' and 'content'")
+            turns.append((m["role"], m["content"]))
+    if fmt != "messages" and row.get("system", "").strip():
+        turns.insert(0, ("system", row["system"]))
+    try:
+        split_conversation(turns, last="assistant")
+    except ValueError as e:
+        raise UserError(f"{where}: {e}") from e
+    return turns
+
+
 def read_chat_pairs(patterns, what: str) -> list[dict]:
-    """Every {"prompt", "response"} row of the jsonl files matching ``patterns``, in file order (SFT's data, and
-    the SFT response bigram's). Raises ``UserError`` naming the file and line of a row without the two fields."""
-    return [row for path in expand_files(patterns, what) for row in read_jsonl(path, ("prompt", "response"))]
+    """Every conversation in the files matching ``patterns``, in file order (SFT's data, and the SFT response
+    bigram's): rows ``{"messages": [(role, content), ...], "prompt": the last user turn, "response": the last
+    assistant turn}``. Each file may be in any of ``CHAT_FORMATS`` (``.jsonl``, or a ``.json`` array), detected
+    from its first record.
+
+    Raises ``UserError`` naming the file and line of a record that does not fit its file's format, or a file with
+    no record.
+    """
+    rows = []
+    for path in expand_files(patterns, what):
+        records = read_records(path)
+        if not records:
+            raise UserError(f"{path} holds no rows; expected conversations in one of: "
+                            + "; ".join(CHAT_FORMATS.values()))
+        fmt = chat_format(records[0][1])
+        for where, record in records:
+            turns = conversation_of(where, record, fmt)
+            rows.append({"messages": turns, "prompt": turns[-2][1], "response": turns[-1][1]})
+    return rows
 
 
-def read_preference_pairs(patterns, what: str) -> list[tuple[str, str, str]]:
-    """(prompt, chosen, rejected) triples from the jsonl files matching ``patterns``, in file order (the RM's and
-    DPO's data). Raises ``UserError`` naming the file and line of a row without the three fields."""
-    return [(r["prompt"], r["chosen"], r["rejected"])
-            for path in expand_files(patterns, what) for r in read_jsonl(path, ("prompt", "chosen", "rejected"))]
+def turns_of(where: str, field: str, messages) -> list[tuple[str, str]]:
+    """A JSON list of ``{"role", "content"}`` messages -> ``(role, content)`` pairs; ``UserError`` naming ``where``
+    and ``field`` when it is not one."""
+    if not isinstance(messages, list) or not messages:
+        raise UserError(f"{where}: field '{field}' must be a string or a non-empty list of {{\"role\", \"content\"}}")
+    for i, m in enumerate(messages, start=1):
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+            raise UserError(f"{where}: {field} message {i} must be an object with string 'role' and 'content'")
+    return [(m["role"], m["content"]) for m in messages]
+
+
+def preference_of(where: str, row) -> tuple:
+    """One preference record -> ``(prompt, chosen, rejected)``: ``prompt`` a string, or a tuple of ``(role, content)``
+    turns ending with a user turn (``chinese_tokenizer.apply_chat_template`` takes either).
+
+    Accepted: our ``{"prompt", "chosen", "rejected"}`` strings; ``prompt`` as a list of messages; and ``chosen`` /
+    ``rejected`` as whole conversations (lists of messages, with or without a ``prompt`` before them) that differ
+    only in their last, assistant, message. Raises ``UserError`` naming ``where`` and the problem.
+    """
+    if not isinstance(row, dict):
+        raise UserError(f"{where} is not a JSON object; expected fields ['prompt', 'chosen', 'rejected']")
+    if all(isinstance(row.get(k), str) for k in ("chosen", "rejected")) and isinstance(row.get("prompt"), str):
+        check_fields(where, row, ("prompt", "chosen", "rejected"))
+        return row["prompt"], row["chosen"], row["rejected"]
+    for field in ("chosen", "rejected"):
+        if field not in row:
+            raise UserError(f"{where}: field '{field}' is missing; every line needs ['prompt', 'chosen', 'rejected'] "
+                            f"or chosen/rejected conversations")
+    prompt = turns_of(where, "prompt", row["prompt"]) if isinstance(row.get("prompt"), list) else \
+        ([("user", row["prompt"])] if isinstance(row.get("prompt"), str) and row["prompt"].strip() else [])
+    sides = []
+    for field in ("chosen", "rejected"):
+        if isinstance(row[field], str):
+            sides.append([("assistant", row[field])])
+        else:
+            sides.append(turns_of(where, field, row[field]))
+    (*chosen_context, chosen), (*rejected_context, rejected) = sides
+    if chosen[0] != "assistant" or rejected[0] != "assistant":
+        raise UserError(f"{where}: the last message of 'chosen' and of 'rejected' must be the assistant's answer")
+    if chosen_context != rejected_context:
+        raise UserError(f"{where}: 'chosen' and 'rejected' must share every message but their last (the answers)")
+    turns = prompt + chosen_context
+    try:
+        split_conversation(turns, last="user")
+    except ValueError as e:
+        raise UserError(f"{where}: {e}") from e
+    return tuple(turns), chosen[1], rejected[1]
+
+
+def read_preference_pairs(patterns, what: str) -> list[tuple]:
+    """(prompt, chosen, rejected) triples from the jsonl (or .json array) files matching ``patterns``, in file
+    order (the RM's and DPO's data); see ``preference_of`` for the accepted records. Raises ``UserError`` naming the
+    file and line of a bad record, or a file with none."""
+    triples = []
+    for path in expand_files(patterns, what):
+        records = read_records(path)
+        if not records:
+            raise UserError(f"{path} holds no rows; expected JSON lines with fields ['prompt', 'chosen', 'rejected']")
+        triples += [preference_of(where, record) for where, record in records]
+    return triples
 
 
 def load_text_documents(patterns, what: str):
@@ -223,12 +368,15 @@ def length_grouped_batches(lengths, batch_size: int) -> list[list[int]]:
 
 
 class ChatPairs:
-    """{"prompt", "response"} rows laid out by ``apply_chat_template`` as supervised fine-tuning examples.
+    """Conversations laid out by ``chat_conversation_ids`` as supervised fine-tuning examples: rows of
+    ``read_chat_pairs`` (their ``"messages"``), or plain ``{"prompt", "response"}`` rows (one exchange).
 
-    ``max_length`` is how many positions the model reads per example (at most its ``context_length``); a pair
-    whose template is longer than ``max_length + 1`` tokens loses the start of its prompt (its response too, from
-    the right, only if the response alone does not fit). Nothing is dropped: ``num_truncated`` counts the cut
-    pairs and ``num_response_cut`` those among them that lost part of the response.
+    The labels are the assistant turns' tokens (each with its closing ``[SEP]``); every other token has -100.
+    ``max_length`` is how many positions the model reads per example (at most its ``context_length``); a
+    conversation whose template is longer than ``max_length + 1`` tokens loses its oldest turns, then its system
+    text, then the start of its last prompt (its last answer too, from the right, only if that answer alone does
+    not fit). Nothing is dropped: ``num_truncated`` counts the cut examples and ``num_response_cut`` those among
+    them that lost part of the last answer.
 
     ``len(pairs)``; ``pairs[i]`` is ``(inputs, labels)`` (lists, see ``chat_example``); ``pairs.lengths[i]`` is
     ``len(inputs)``; ``pairs.collate(indices)`` is a padded batch (see ``collate_chat``).
@@ -240,7 +388,8 @@ class ChatPairs:
         self.rows, self.max_length = rows, max_length
         self.examples, self.num_truncated, self.num_response_cut = [], 0, 0
         for row in rows:
-            ids, mask, truncated = apply_chat_template(row["prompt"], row["response"], tokenizer, max_length + 1)
+            turns = row.get("messages") or [("user", row["prompt"]), ("assistant", row["response"])]
+            ids, mask, truncated = chat_conversation_ids(turns, tokenizer, max_length + 1)
             self.num_truncated += truncated
             self.num_response_cut += ids[-1] != SEP_ID  # the closing [SEP] is the first thing a response cut loses
             self.examples.append(chat_example(ids, mask))
@@ -263,4 +412,5 @@ class ChatPairs:
         response = f", {self.num_response_cut} of them also lost the end of the response" if self.num_response_cut \
             else ""
         return (f"warning: {self.num_truncated} of {len(self)} {what} pairs are longer than {self.max_length + 1} "
-                f"tokens; their prompts were cut from the left{response} (raise --max_length or shorten them)")
+                f"tokens; their earliest turns and prompts were cut from the left{response} (raise --max_length "
+                f"or shorten them)")

@@ -84,6 +84,18 @@ def test_dpo_learns_an_easy_preference_and_writes_a_gpt(tmp_path, pairs, tiny_po
     assert config["metrics"]["kl"] == pytest.approx(held["dpo"]["kl"], abs=1e-4)
 
 
+def test_dpo_reads_conversation_pairs_as_the_same_examples(tmp_path, pairs, tokenizer):
+    """chosen/rejected conversations go through the template exactly like the flat pairs they hold."""
+    from corpus import read_preference_pairs
+
+    flat = read_preference_pairs(pairs["train"], "--train_files")
+    rows = [{"chosen": [{"role": "user", "content": p}, {"role": "assistant", "content": c}],
+             "rejected": [{"role": "user", "content": p}, {"role": "assistant", "content": r}]} for p, c, r in flat]
+    conversations = read_preference_pairs(write_jsonl(tmp_path / "conv.jsonl", rows), "--train_files")
+    assert conversations[0][0] == (("user", flat[0][0]),)
+    assert DPO.encode_pairs(conversations, tokenizer, 64) == DPO.encode_pairs(flat, tokenizer, 64)
+
+
 @pytest.mark.slow
 def test_dpo_resume_is_bit_identical(tmp_path, pairs, tiny_policy_and_rm, prompts):
     straight, halves = tmp_path / "straight", tmp_path / "halves"

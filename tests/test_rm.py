@@ -3,6 +3,7 @@
 import importlib.util
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -188,6 +189,65 @@ def trained_rm(easy_data, tiny_pretrain, tmp_path_factory):
     out = tmp_path_factory.mktemp("rm") / "ckpt"
     assert RM.main(rm_args(easy_data, tiny_pretrain, out, "--max_steps", "12", "--eval_every", "6")) == 0
     return out
+
+
+def as_conversations(path, out):
+    """The same pairs written as chosen/rejected conversations (a user turn, then each answer)."""
+    rows = []
+    for line in open(path, encoding="utf-8"):
+        pair = json.loads(line)
+        rows.append({side: [{"role": "user", "content": pair["prompt"]},
+                            {"role": "assistant", "content": pair[side]}] for side in ("chosen", "rejected")})
+    return write_jsonl(out, rows)
+
+
+@pytest.mark.slow
+def test_rm_on_conversation_pairs_is_the_rm_on_flat_pairs(trained_rm, easy_data, tiny_pretrain, tmp_path):
+    """chosen/rejected conversations that hold one exchange each are the very same examples as the flat pairs:
+    the RM trained on them is byte-identical."""
+    data = {split: as_conversations(path, tmp_path / f"{split}.jsonl") for split, path in easy_data.items()}
+    out = tmp_path / "rm"
+    assert RM.main(rm_args(data, tiny_pretrain, out, "--max_steps", "12", "--eval_every", "6")) == 0
+    assert (out / "model.safetensors").read_bytes() == (trained_rm / "model.safetensors").read_bytes()
+
+
+def test_preference_records_in_every_shape(tmp_path, tokenizer):
+    from corpus import read_preference_pairs
+
+    system_turns = [{"role": "system", "content": "甲"}, {"role": "user", "content": "你好"},
+                    {"role": "assistant", "content": "好"}, {"role": "user", "content": "再见"}]
+    rows = [{"prompt": "评价：", "chosen": "好", "rejected": "差"},
+            {"prompt": system_turns, "chosen": "拜", "rejected": "滚"},
+            {"chosen": system_turns + [{"role": "assistant", "content": "拜"}],
+             "rejected": system_turns + [{"role": "assistant", "content": "滚"}]},
+            {"prompt": system_turns[:2], "chosen": [{"role": "assistant", "content": "在"}],
+             "rejected": [{"role": "assistant", "content": "不在"}]}]
+    triples = read_preference_pairs([write_jsonl(tmp_path / "p.jsonl", rows)], "--train_files")
+    turns = (("system", "甲"), ("user", "你好"), ("assistant", "好"), ("user", "再见"))
+    assert triples == [("评价：", "好", "差"), (turns, "拜", "滚"), (turns, "拜", "滚"), (turns[:2], "在", "不在")]
+    ids, mask, _ = apply_chat_template(turns, "拜", tokenizer)
+    c = tokenizer.convert_tokens_to_ids
+    assert ids == [101] + c(["甲"]) + [102] + c(list("你好")) + [5] + c(["好"]) + [102] + c(list("再见")) + [5] + \
+        c(["拜"]) + [102]
+    assert mask == [0] * (len(ids) - 2) + [1, 1]  # only the answer being scored (and its [SEP])
+
+
+@pytest.mark.parametrize("row, words", [
+    ({"chosen": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}],
+      "rejected": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "c"}]},
+     "must share every message but their last"),
+    ({"chosen": [{"role": "user", "content": "a"}], "rejected": [{"role": "user", "content": "a"}]},
+     "must be the assistant's answer"),
+    ({"prompt": "a", "chosen": "b"}, "field 'rejected' is missing"),
+    ({"prompt": "a", "chosen": 3, "rejected": "c"}, "field 'chosen' must be a string or a non-empty list"),
+])
+def test_bad_preference_records_are_one_line_errors(tmp_path, row, words):
+    from cli import UserError
+    from corpus import read_preference_pairs
+
+    with pytest.raises(UserError, match=re.escape(words)) as caught:
+        read_preference_pairs([write_jsonl(tmp_path / "bad.jsonl", [row])], "--train_files")
+    assert "bad.jsonl line 1" in str(caught.value)
 
 
 @pytest.mark.slow

@@ -127,6 +127,74 @@ def test_truncation_cuts_the_prompt_from_the_left_and_counts(tokenizer):
     assert ChatPairs(rows[1:2], tokenizer, 9).truncation_warning("train") is None
 
 
+# --- conversations: several turns, alpaca and messages files ------------------------------------------------------
+
+def test_only_assistant_tokens_carry_loss_in_a_three_turn_conversation(tokenizer):
+    """system + three (user, assistant) turns: the labels are exactly the three answers and their [SEP]s, each
+    predicted from the token before it; system text, user turns, [ANS] and [CLS] are never targets."""
+    turns = [("system", "你是诗人"), ("user", "春"), ("assistant", "花开"), ("user", "夏"), ("assistant", "雨"),
+             ("user", "秋"), ("assistant", "叶落")]
+    pairs = ChatPairs([{"messages": turns}], tokenizer, max_length=64)
+    c = lambda text: char_ids(text, tokenizer)  # noqa: E731
+    full = ([CLS] + c("你是诗人") + [SEP] + c("春") + [ANS] + c("花开") + [SEP] + c("夏") + [ANS] + c("雨") + [SEP]
+            + c("秋") + [ANS] + c("叶落") + [SEP])
+    inputs, labels = pairs[0]
+    assert inputs == full[:-1]
+    # full: [CLS] 你 是 诗 人 [SEP] 春 [ANS] 花 开 [SEP] 夏 [ANS] 雨 [SEP] 秋 [ANS] 叶 落 [SEP]
+    #        0     1  2  3  4  5     6  7     8  9  10    11 12    13 14    15 16    17 18 19
+    answer_positions = [8, 9, 10, 13, 14, 17, 18, 19]
+    expected = [-100] * len(inputs)
+    for position in answer_positions:
+        expected[position - 1] = full[position]
+    assert [full[p] for p in answer_positions] == c("花开") + [SEP] + c("雨") + [SEP] + c("叶落") + [SEP]
+    assert labels == expected
+    one = ChatPairs([{"messages": turns[1:3]}], tokenizer, 64)[0]
+    assert one == chat_example(*ct.apply_chat_template("春", "花开", tokenizer)[:2])  # one exchange: the SFT layout
+
+
+def test_alpaca_messages_and_our_pairs_read_alike(tmp_path, tokenizer):
+    from corpus import read_chat_pairs
+
+    ours = write_jsonl(tmp_path / "ours.jsonl", [{"prompt": "翻译：你好", "response": "hello"}])
+    (tmp_path / "alpaca.json").write_text(json.dumps([{"instruction": "翻译：", "input": "你好", "output": "hello"},
+                                                      {"instruction": "写一句诗", "input": "", "output": "床前明月光"}],
+                                                     ensure_ascii=False), encoding="utf-8")
+    messages = write_jsonl(tmp_path / "messages.jsonl", [{"messages": [
+        {"role": "system", "content": "你是助手"}, {"role": "user", "content": "你好"},
+        {"role": "assistant", "content": "你好！"}, {"role": "user", "content": "再见"},
+        {"role": "assistant", "content": "再见"}]}])
+    rows = read_chat_pairs([ours, str(tmp_path / "alpaca.json"), messages], "--train_files")
+    assert [r["messages"] for r in rows] == [
+        [("user", "翻译：你好"), ("assistant", "hello")],
+        [("user", "翻译：\n你好"), ("assistant", "hello")],
+        [("user", "写一句诗"), ("assistant", "床前明月光")],
+        [("system", "你是助手"), ("user", "你好"), ("assistant", "你好！"), ("user", "再见"), ("assistant", "再见")]]
+    assert (rows[3]["prompt"], rows[3]["response"]) == ("再见", "再见")  # the last exchange, for the samples table
+    pairs = ChatPairs(rows, tokenizer, 64)
+    assert pairs[0] == ChatPairs([{"prompt": "翻译：你好", "response": "hello"}], tokenizer, 64)[0]
+    assert sum(label != -100 for label in pairs[3][1]) == len(ct.encode("你好！", tokenizer)) + 1 + 2 + 1
+
+
+@pytest.mark.parametrize("name, content, words", [
+    ("a.jsonl", '{"instruction": "写诗", "input": ""}\n', "a.jsonl line 1: field 'output' is missing"),
+    ("b.jsonl", '{"prompt": "x", "response": "y"}\n\n{"prompt": "x"}\n', "b.jsonl line 3: field 'response'"),
+    ("c.jsonl", '{"messages": [{"role": "bot", "content": "x"}, {"role": "assistant", "content": "y"}]}\n',
+     "c.jsonl line 1: message 1 has role 'bot'"),
+    ("d.jsonl", '{"messages": [{"role": "user", "content": "x"}]}\n', "d.jsonl line 1: the conversation ends"),
+    ("e.jsonl", '{"messages": "hello"}\n', "e.jsonl line 1: field 'messages' must be a non-empty list"),
+    ("f.json", '[{"instruction": "a", "output": "b"}, {"instruction": "c"}]', "f.json item 2: field 'output'"),
+])
+def test_bad_conversation_records_name_file_line_and_field(tmp_path, name, content, words):
+    from cli import UserError
+    from corpus import read_chat_pairs
+
+    (tmp_path / name).write_text(content, encoding="utf-8")
+    with pytest.raises(UserError) as caught:
+        read_chat_pairs([str(tmp_path / name)], "--train_files")
+    message = str(caught.value)
+    assert words.split(": ", 1)[-1] in message and name in message and "\n" not in message
+
+
 def test_length_grouped_batches_by_hand():
     assert length_grouped_batches([5, 1, 3, 1, 4], 2) == [[1, 3], [2, 4], [0]]
     assert length_grouped_batches([2, 2, 2], 5) == [[0, 1, 2]]
@@ -186,6 +254,29 @@ def test_sft_memorises_pairs_and_stops_at_sep(workdir, tokenizer):
     before = dir_digest(out)  # a second run without --overwrite refuses and touches nothing
     assert run_main(SFT, sft_args(workdir, out, "--max_steps", 2)) == 2
     assert dir_digest(out) == before
+
+
+@pytest.mark.slow
+def test_sft_trains_on_alpaca_and_multi_turn_files(workdir, tokenizer):
+    """1-SFT.py reads an alpaca .json array and a multi-turn messages file; the multi-turn model learns each second
+    answer given the first exchange as context."""
+    alpaca = [{"instruction": p, "input": "", "output": r} for p, r in PAIRS]
+    (workdir / "alpaca.json").write_text(json.dumps(alpaca, ensure_ascii=False), encoding="utf-8")
+    first = [{"role": "user", "content": PAIRS[0][0]}, {"role": "assistant", "content": PAIRS[0][1]}]
+    write_jsonl(workdir / "chat.jsonl", [{"messages": first + [{"role": "user", "content": p},
+                                                              {"role": "assistant", "content": r}]}
+                                         for p, r in PAIRS[1:]])
+    for name in ("alpaca.json", "chat.jsonl"):
+        out = workdir / f"sft-{name}"
+        assert run_main(SFT, sft_args(workdir, out, "--max_steps", 40, "--learning_rate", 1e-2, "--eval_every", 40,
+                                      pairs=name)) == 0
+        metrics = json.loads((out / "config.json").read_text(encoding="utf-8"))["metrics"]
+        assert metrics["val_loss"] < 0.5 < metrics["val_loss_before_sft"]
+    model, _, _ = load_checkpoint(str(workdir / "sft-chat.jsonl"), "gpt")
+    for prompt, response in PAIRS[1:]:
+        ids = ct.chat_messages_ids([(m["role"], m["content"]) for m in first] + [("user", prompt)], tokenizer)
+        new = generate(model, torch.tensor([ids]), 20, 64, eos_id=SEP)[0, len(ids):].tolist()
+        assert new == ct.encode(response, tokenizer) + [SEP]
 
 
 @pytest.mark.slow
