@@ -29,13 +29,27 @@ from chinese_tokenizer import PAD_ID, SEP_ID, chat_conversation_ids, normalize_t
 from cli import UserError
 
 
+DATA_SUFFIXES = (".jsonl", ".json", ".txt")
+
+
 def expand_files(patterns, what: str) -> list[str]:
-    """Glob patterns (a string or a list) -> sorted file paths. Raises ``UserError`` when nothing matches."""
+    """Glob patterns or directories (a string or a list) -> sorted file paths; a directory stands for its
+    ``.jsonl``/``.json``/``.txt`` files. Raises ``UserError`` when nothing matches."""
     if isinstance(patterns, str):
         patterns = [patterns]
     files = []
     for pattern in patterns:
-        matches = sorted(glob.glob(pattern))
+        matches = []
+        for match in sorted(glob.glob(pattern)):
+            if os.path.isdir(match):
+                inside = sorted(os.path.join(match, name) for name in os.listdir(match)
+                                if name.endswith(DATA_SUFFIXES) and not name.startswith("."))
+                if not inside:
+                    raise UserError(f"{what}: folder {match} holds no {'/'.join(DATA_SUFFIXES)} file; give files "
+                                    f"or a folder of them")
+                matches += inside
+            else:
+                matches.append(match)
         if not matches:
             raise UserError(f"{what}: no file matches {pattern}; run `python data/prepare.py` or fix the path")
         files += matches

@@ -90,7 +90,7 @@ class Sampling(BaseModel):
     max_completion_tokens: int | None = Field(None, ge=1)
     stop: str | list[str] | None = None
     n: int = Field(1, ge=1, le=MAX_BATCH)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=-(2 ** 63), le=2 ** 64 - 1)  # what torch.manual_seed takes
     stream: bool = False
     stream_options: dict | None = None
 
@@ -114,6 +114,18 @@ class ApiError(Exception):
 def error_body(message: str, status: int, param=None, code=None) -> dict:
     kind = "server_error" if status >= 500 else "invalid_request_error"
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def field_path(loc) -> str | None:
+    """pydantic's error location as the request's own field path, e.g. ``messages[0].content`` (pydantic also
+    names the member of a union it tried, ``str`` or ``list[...]``, which is no field of the request)."""
+    path = ""
+    for part in loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif part.isidentifier() and part not in ("str", "int", "float", "bool", "list", "dict"):
+            path += ("." if path else "") + part
+    return path or None
 
 
 def message_text(message: Message, i: int) -> str:
@@ -291,16 +303,22 @@ def create_app(model, tokenizer, chat: bool, model_id: str, reward_model=None) -
     async def invalid(request: Request, e: RequestValidationError):
         first = e.errors()[0]
         if first.get("type") == "json_invalid":
-            return JSONResponse(error_body(f"the request body is not valid JSON: {first.get('msg')}", 400), 400)
+            where = first.get("loc", ())[1:2]
+            reason = (first.get("ctx") or {}).get("error", first.get("msg"))
+            at = f" at character {where[0]}" if where else ""
+            return JSONResponse(error_body(f"the request body is not valid JSON ({reason}{at})", 400), 400)
         if tuple(first.get("loc", ())) == ("body",):
-            return JSONResponse(error_body("the request body must be a JSON object (Content-Type: "
-                                           "application/json)", 400), 400)
-        param = ".".join(str(part) for part in first.get("loc", ())[1:]) or None
+            return JSONResponse(error_body("the request body must be a JSON object, sent with Content-Type: "
+                                           "application/json", 400), 400)
+        param = field_path(first.get("loc", ())[1:])
         return JSONResponse(error_body(f"{param or 'body'}: {first.get('msg')}", 422, param), 422)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException):
-        message = f"no route {request.method} {request.url.path}" if e.status_code in (404, 405) else str(e.detail)
+        allowed = (e.headers or {}).get("Allow", "another method")
+        message = {404: f"no route {request.method} {request.url.path}",
+                   405: f"{request.method} is not allowed on {request.url.path}: use {allowed}"}.get(e.status_code,
+                                                                                                 str(e.detail))
         return JSONResponse(error_body(message, e.status_code, code="not_found" if e.status_code == 404 else None),
                             e.status_code)
 
@@ -550,8 +568,8 @@ def listen(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
     except OSError as e:
         sock.close()
-        raise UserError(f"--host {host} --port {port}: cannot listen there ({e.strerror}); choose another --port "
-                        f"or stop what uses it") from e
+        raise UserError(f"--host {host} --port {port}: cannot listen there ({e.strerror}); choose another --host "
+                        f"or --port, or stop what uses it") from e
     sock.listen(128)
     sock.set_inheritable(True)
     return sock

@@ -77,6 +77,9 @@ GRPO_RECIPES = {
     "kl0.04-lr3e-5-30it": flags(kl_coef=0.04, learning_rate=3e-5, max_steps=30),
     "kl0.1-lr4e-5": flags(kl_coef=0.1, learning_rate=4e-5, max_steps=20),
     "kl0.2-lr3e-5": flags(kl_coef=0.2, learning_rate=3e-5, max_steps=20),
+    "kl0.1-lr2e-5": flags(kl_coef=0.1, learning_rate=2e-5, max_steps=20),
+    "kl0.2-lr2e-5": flags(kl_coef=0.2, learning_rate=2e-5, max_steps=20),
+    "kl0.4-lr3e-5": flags(kl_coef=0.4, learning_rate=3e-5, max_steps=20),
 }
 RECIPES = {"ppo": PPO_RECIPES, "dpo": DPO_RECIPES, "grpo": GRPO_RECIPES}
 SCRIPTS = {"ppo": "3-PPO.py", "dpo": "3-DPO.py", "grpo": "3-GRPO.py"}

@@ -185,12 +185,14 @@ def test_stop_strings_end_the_text_before_them(client, policy, tokenizer):
     ({"max_tokens": CONTEXT}, "BadRequestError", "beyond the model's context"),
     ({"temperature": -0.5}, "UnprocessableEntityError", "temperature"),
     ({"n": 100}, "UnprocessableEntityError", "n:"),
+    ({"seed": 2 ** 70}, "UnprocessableEntityError", "seed:"),
+    ({"messages": [{"role": "user", "content": 5}]}, "UnprocessableEntityError", "messages[0].content:"),
 ])
 def test_bad_requests_get_openai_errors(client, kwargs, error, words):
     request = {"model": "sft", "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 4, **kwargs}
     with pytest.raises(getattr(openai, error)) as caught:
         client.chat.completions.create(**request)
-    assert words in caught.value.message
+    assert words in caught.value.message and ".str" not in caught.value.message
     assert caught.value.body["type"] == "invalid_request_error"
 
 
@@ -198,12 +200,15 @@ def test_malformed_json_and_unknown_paths(server):
     url = server[0]
     response = httpx.post(url + "/v1/chat/completions", content=b"{not json", timeout=30,
                           headers={"Content-Type": "application/json"})
-    assert response.status_code == 400 and "not valid JSON" in response.json()["error"]["message"]
+    message = response.json()["error"]["message"]
+    assert response.status_code == 400 and "not valid JSON" in message and "at character 1" in message
     response = httpx.post(url + "/v1/chat/completions", content=b"[1, 2]", timeout=30,
                           headers={"Content-Type": "application/json"})
     assert response.status_code == 400 and "JSON object" in response.json()["error"]["message"]
     response = httpx.get(url + "/v1/nothing", timeout=30)
     assert response.status_code == 404 and response.json()["error"]["code"] == "not_found"
+    response = httpx.get(url + "/v1/chat/completions", timeout=30)
+    assert response.status_code == 405 and "use POST" in response.json()["error"]["message"]
 
 
 def rss_kib(pid: int) -> int:

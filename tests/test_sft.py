@@ -164,6 +164,8 @@ def test_alpaca_messages_and_our_pairs_read_alike(tmp_path, tokenizer):
         {"role": "assistant", "content": "你好！"}, {"role": "user", "content": "再见"},
         {"role": "assistant", "content": "再见"}]}])
     rows = read_chat_pairs([ours, str(tmp_path / "alpaca.json"), messages], "--train_files")
+    in_folder = read_chat_pairs(str(tmp_path), "--train_files")  # a folder: its files in name order
+    assert in_folder == read_chat_pairs(sorted(map(str, tmp_path.iterdir())), "--train_files") and len(in_folder) == 4
     assert [r["messages"] for r in rows] == [
         [("user", "翻译：你好"), ("assistant", "hello")],
         [("user", "翻译：\n你好"), ("assistant", "hello")],
