@@ -3,11 +3,12 @@
 * ``read_jsonl(path, fields)``: a list of dicts, each checked to hold every field as a non-empty string; any bad
   line is a one-line ``UserError`` naming the file and line.
 * ``load_text_documents(patterns)``: a ``datasets.Dataset`` of documents from ``.txt`` files (documents separated by
-  a blank line) and/or ``.jsonl`` files (one ``{"text": ...}`` per line).
-* ``PackedBlocks``: the documents tokenized with ``datasets.map`` (batched, cached on disk), joined with ``[SEP]``
-  and cut into blocks of ``context_length + 1`` tokens: block i gives ``input_ids = tokens[iL : iL+L]`` and
-  ``labels = tokens[iL+1 : iL+L+1]``, the same tokens shifted by one. Only the flat token array stays in memory
-  (int32: 4 bytes per token).
+  a blank line) and/or ``.jsonl`` files (one ``{"text": ...}`` per line), read as a stream into Arrow files in the
+  ``datasets`` cache (a corpus larger than memory is fine; a second run opens the cache).
+* ``PackedBlocks``: the documents tokenized once with ``datasets.map`` into an int32 token file in the same cache
+  (keyed by the files and the tokenizer), joined with ``[SEP]`` and cut into blocks of ``context_length + 1``
+  tokens: block i gives ``input_ids = tokens[iL : iL+L]`` and ``labels = tokens[iL+1 : iL+L+1]``, the same tokens
+  shifted by one, each read from the file when it is asked for.
 * ``pad_right(sequences)``: variable-length id lists -> a right-padded ``input_ids`` and its ``attention_mask``.
 * ``chat_example`` / ``ChatPairs`` / ``collate_chat``: (prompt, response) pairs through the chat template into
   supervised fine-tuning examples: ``input_ids = ids[:-1]`` and ``labels = ids[1:]`` kept only where the next token
@@ -19,6 +20,7 @@
 from __future__ import annotations
 
 import glob
+import itertools
 import json
 import os
 
@@ -256,27 +258,124 @@ def read_preference_pairs(patterns, what: str) -> list[tuple]:
     return triples
 
 
+def _documents(files: list[tuple[str, int, int]]):
+    """The documents of ``files`` ((path, size, mtime) triples) one by one, read as a stream: a .txt file's
+    documents are separated by a blank line, a .jsonl file holds one ``{"text"}`` per line (a .json file may also
+    be one array of them). Raises ``UserError`` naming the file and line of a bad record, or a file with none."""
+    for path, _, _ in files:
+        found = False
+        if path.endswith((".jsonl", ".json")):
+            # a .json file may be one array (read whole: such files are small); .jsonl is read line by line
+            records = read_records(path) if path.endswith(".json") else _jsonl_stream(path)
+            for where, row in records:
+                check_fields(where, row, ("text",))
+                found = True
+                yield {"text": normalize_text(row["text"])}
+        else:
+            lines = []
+            for line in itertools.chain(_text_stream(path), [""]):  # an empty line ends a document
+                if line:
+                    lines.append(line)
+                    continue
+                text = "\n".join(lines).strip()
+                lines = []
+                if text:
+                    found = True
+                    yield {"text": text}
+        if not found:
+            raise UserError(f"{path} holds no text; give a file with documents")
+
+
+def _text_stream(path: str):
+    """The lines of a UTF-8 text file without their line ends, read lazily (``UserError`` if not UTF-8)."""
+    try:
+        with open(path, encoding="utf-8", newline=None) as f:  # universal newlines: CRLF and CR become "\n"
+            for line in f:
+                yield line.rstrip("\n")
+    except FileNotFoundError as e:
+        raise UserError(f"{path} not found; fix the path") from e
+    except UnicodeDecodeError as e:
+        raise UserError(f"{path} is not UTF-8 text (bad byte at offset {e.start}); convert it to UTF-8") from e
+
+
+def _jsonl_stream(path: str):
+    """(where, record) for each non-blank line of a JSON-lines file, read lazily."""
+    for number, line in enumerate(_text_stream(path), start=1):
+        if not line.strip():
+            continue
+        try:
+            yield f"{path} line {number}", json.loads(line)
+        except ValueError as e:
+            raise UserError(f"{path} line {number} is not valid JSON ({e.msg}); fix or remove that line") from e
+
+
 def load_text_documents(patterns, what: str):
-    """A ``datasets.Dataset`` with one column ``text``, one row per document, from .txt and .jsonl files.
+    """A ``datasets.Dataset`` with one column ``text``, one row per document, from .txt files (documents separated
+    by a blank line) and .jsonl files (one ``{"text"}`` per line), files and folders and globs.
+
+    The files are read once, as a stream, into Arrow files in the ``datasets`` cache (memory does not grow with
+    the corpus); the cache is keyed by the files' paths, sizes and modification times, so a second run with the
+    same files opens it at once and an edited file is read again.
 
     Raises:
         UserError: no file, an empty file, bad UTF-8, or a jsonl line without a "text" string.
     """
     import datasets
 
-    files = expand_files(patterns, what)
-    parts = []
-    for path in files:
-        if path.endswith(".jsonl") or path.endswith(".json"):
-            rows = read_jsonl(path, ("text",))
-            parts.append(datasets.Dataset.from_dict({"text": [normalize_text(r["text"]) for r in rows]}))
-        else:
-            text = normalize_text("\n".join(read_lines(path)))
-            docs = [d.strip() for d in text.split("\n\n") if d.strip()]
-            if not docs:
-                raise UserError(f"{what}: {path} holds no text")
-            parts.append(datasets.Dataset.from_dict({"text": docs}))
-    return datasets.concatenate_datasets(parts) if len(parts) > 1 else parts[0]
+    files = [(os.path.realpath(f), os.path.getsize(f), os.stat(f).st_mtime_ns) for f in expand_files(patterns, what)]
+    try:
+        return datasets.Dataset.from_generator(_documents, gen_kwargs={"files": files})
+    except datasets.exceptions.DatasetGenerationError as e:  # our own one-line error, raised inside the reader
+        cause = e.__cause__ or e.__context__
+        while cause is not None and not isinstance(cause, UserError):
+            cause = cause.__cause__ or cause.__context__
+        if cause is not None:
+            raise cause from None
+        raise
+
+
+def tokens_path(documents, tokenizer, bos_id: int | None) -> str:
+    """Where the token file of ``documents`` tokenized by ``tokenizer`` lives: in the ``datasets`` cache, named by
+    the documents' fingerprint, the tokenizer's vocabulary and the start token."""
+    import hashlib
+
+    import datasets
+
+    vocab = json.dumps(sorted(tokenizer.get_vocab().items()), ensure_ascii=False)
+    key = hashlib.sha256(f"{documents._fingerprint}|{vocab}|{bos_id}|int32-v1".encode("utf-8")).hexdigest()[:24]
+    return os.path.join(datasets.config.HF_DATASETS_CACHE, "gpt2-zh-tokens", f"{key}.npy")
+
+
+def tokenize_to_file(documents, tokenizer, path: str, bos_id: int | None, what: str) -> None:
+    """Tokenize ``documents`` (each followed by ``[SEP]``, preceded by ``bos_id`` if given) with
+    ``datasets.map`` in this process (the fast tokenizer spreads each batch over the CPU's cores itself: on 2 cores
+    that was faster than 2 processes, bench/bench_data.py) and write the ids, concatenated, as one int32 ``.npy``
+    file at ``path`` (written beside it and renamed into place, chunk by chunk: memory does not grow with it)."""
+    start = [] if bos_id is None else [bos_id]
+
+    def tokenize(batch):
+        ids = tokenizer(batch["text"], add_special_tokens=False)["input_ids"]
+        return {"input_ids": [start + doc + [SEP_ID] for doc in ids], "length": [len(doc) + len(start) + 1
+                                                                               for doc in ids]}
+
+    tokenized = documents.map(tokenize, batched=True, remove_columns=documents.column_names,
+                              desc=f"tokenizing {what}")
+    import pyarrow.compute as pc
+
+    total = int(pc.sum(tokenized.data.column("length")).as_py() or 0)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    written = 0
+    with open(tmp, "wb") as f:  # plain writes: pages of a written memory map would count as this process's memory
+        np.lib.format.write_array_header_1_0(f, {"descr": np.dtype(np.int32).str, "fortran_order": False,
+                                                 "shape": (total,)})
+        for chunk in tokenized.data.column("input_ids").chunks:  # Arrow record batches, read from the cache file
+            flat = chunk.flatten().to_numpy(zero_copy_only=False).astype(np.int32)
+            f.write(flat.tobytes())
+            written += len(flat)
+    if written != total:
+        raise RuntimeError(f"wrote {written} tokens, expected {total}")
+    os.replace(tmp, path)
 
 
 class PackedBlocks:
@@ -285,19 +384,18 @@ class PackedBlocks:
     ``len(blocks)`` is the number of blocks; ``blocks[i]`` is ``(input_ids, labels)``, two (block_len,) int64
     tensors, labels shifted by one. With ``bos_id`` (the model's ``cfg.bos_id``, e.g. [CLS] for uer's weights)
     every document also starts with that token, as the model saw its documents in training.
+
+    The tokens are computed once per corpus and tokenizer (``tokenize_to_file``) and then read from disk: a block
+    by a plain read of its L + 1 ids (pages of a memory map that blocks touched would stay in the process's resident
+    memory, up to the whole file over an epoch); ``tokens`` is the whole (N,) int32 array as a read-only memory map,
+    for whoever needs all of it. So a second run starts at once and memory does not grow with the corpus.
     """
 
     def __init__(self, documents, tokenizer, block_len: int, what: str = "data", bos_id: int | None = None):
-        start = [] if bos_id is None else [bos_id]
-
-        def tokenize(batch):
-            ids = tokenizer(batch["text"], add_special_tokens=False)["input_ids"]
-            return {"input_ids": [start + doc + [SEP_ID] for doc in ids]}
-
-        tokenized = documents.map(tokenize, batched=True, remove_columns=documents.column_names,
-                                  desc=f"tokenizing {what}")
-        column = tokenized.data.column("input_ids").combine_chunks()
-        self.tokens = np.asarray(column.flatten().to_numpy(zero_copy_only=False), dtype=np.int32)  # (N,)
+        path = tokens_path(documents, tokenizer, bos_id)
+        if not os.path.isfile(path):
+            tokenize_to_file(documents, tokenizer, path, bos_id, what)
+        self.path, self.tokens = path, np.load(path, mmap_mode="r")  # (N,) int32, read lazily
         self.block_len = block_len
         self.num_documents = len(documents)
         if len(self) == 0:
@@ -309,7 +407,9 @@ class PackedBlocks:
 
     def __getitem__(self, i: int):
         start = i * self.block_len
-        chunk = torch.from_numpy(self.tokens[start:start + self.block_len + 1].astype(np.int64))  # (L + 1,)
+        ids = np.fromfile(self.path, dtype=np.int32, count=self.block_len + 1,
+                          offset=self.tokens.offset + 4 * start)  # (L + 1,)
+        chunk = torch.from_numpy(ids.astype(np.int64))
         return chunk[:-1], chunk[1:]
 
     def collate(self, indices) -> dict:

@@ -80,6 +80,36 @@ def test_txt_documents_are_split_on_blank_lines(tmp_path):
     assert docs == ["第一段\n第二行", "第二篇"]
 
 
+def test_tokens_are_cached_on_disk_and_read_lazily(tokenizer, tmp_path, monkeypatch):
+    """The first PackedBlocks tokenizes into a .npy file in the datasets cache; the next one for the same files
+    memory-maps it without tokenizing; an edited file is read and tokenized again."""
+    import datasets
+    import numpy as np
+
+    import corpus
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "docs.jsonl"
+    path.write_text('{"text": "你好"}\n{"text": "世界和平"}\n', encoding="utf-8")
+    first = PackedBlocks(load_text_documents([str(path)], "test"), tokenizer, block_len=3)
+    assert isinstance(first.tokens, np.memmap) and first.tokens.dtype == np.int32
+    assert str(tmp_path / "cache") in first.tokens.filename
+
+    def no_tokenizing(*args, **kwargs):
+        raise AssertionError("tokenized again although the cache holds these tokens")
+
+    with monkeypatch.context() as m:
+        m.setattr(corpus, "tokenize_to_file", no_tokenizing)
+        again = PackedBlocks(load_text_documents([str(path)], "test"), tokenizer, block_len=3)
+        assert again.tokens.tolist() == first.tokens.tolist()
+        with path.open("a", encoding="utf-8") as f:
+            f.write('{"text": "再见"}\n')
+        with pytest.raises(AssertionError, match="tokenized again"):
+            PackedBlocks(load_text_documents([str(path)], "test"), tokenizer, block_len=3)
+    edited = PackedBlocks(load_text_documents([str(path)], "test"), tokenizer, block_len=3)
+    assert edited.tokens.tolist() == first.tokens.tolist() + tokenizer.convert_tokens_to_ids(list("再见")) + [102]
+
+
 def pretrain(out, corpus, *extra):
     return run_script("0-PRETRAIN.py", "--preset", "tiny", "--train_files", corpus / "train.txt",
                       "--val_files", corpus / "val.txt", "--output_dir", out, *extra)
