@@ -79,22 +79,15 @@ def read_records(path: str) -> list[tuple[str, object]]:
 
     Blank lines are skipped. Raises ``UserError`` naming the file and line of the first line that is not JSON.
     """
-    lines = read_lines(path)
-    if path.endswith(".json") and lines and lines[0].lstrip().startswith("["):
-        try:
-            items = json.loads("\n".join(lines))
-        except ValueError as e:
-            raise UserError(f"{path} is not valid JSON ({e.msg} at line {e.lineno}); fix the file") from e
-        return [(f"{path} item {i}", item) for i, item in enumerate(items, start=1)]
-    records = []
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        try:
-            records.append((f"{path} line {number}", json.loads(line)))
-        except ValueError as e:
-            raise UserError(f"{path} line {number} is not valid JSON ({e.msg}); fix or remove that line") from e
-    return records
+    if path.endswith(".json"):
+        text = "\n".join(_text_stream(path))
+        if text.lstrip().startswith("["):
+            try:
+                items = json.loads(text)
+            except ValueError as e:
+                raise UserError(f"{path} is not valid JSON ({e.msg} at line {e.lineno}); fix the file") from e
+            return [(f"{path} item {i}", item) for i, item in enumerate(items, start=1)]
+    return list(_jsonl_stream(path))
 
 
 def check_fields(where: str, row, fields: tuple[str, ...], optional: tuple[str, ...] = ()) -> None:
@@ -293,7 +286,8 @@ def _text_stream(path: str):
             for line in f:
                 yield line.rstrip("\n")
     except FileNotFoundError as e:
-        raise UserError(f"{path} not found; fix the path") from e
+        raise UserError(f"{path} not found; fix the path (the default data files come from "
+                        f"`python data/prepare.py`)") from e
     except UnicodeDecodeError as e:
         raise UserError(f"{path} is not UTF-8 text (bad byte at offset {e.start}); convert it to UTF-8") from e
 

@@ -56,14 +56,21 @@ CHAT_STAGES = ("sft", "ppo", "dpo", "grpo")  # checkpoints trained on the chat t
 EXIT_WORDS = ("exit", "quit")
 
 
-def parse_args(argv=None):
-    p = ArgumentParser(description="Generate text from a stage checkpoint (pretrain, SFT, PPO, DPO or GRPO).")
+def add_model_arguments(p) -> None:
+    """Where the model comes from (``--checkpoint`` or ``--from_hf``, and ``--tokenizer``): generate.py's and
+    serve.py's, read by ``load_policy``."""
     source = p.add_mutually_exclusive_group()
     source.add_argument("--checkpoint", help="stage checkpoint directory (default: the latest of "
                                              "checkpoints/ppo, checkpoints/sft, checkpoints/pretrain)")
-    source.add_argument("--from_hf", help="a local Hugging Face GPT-2 directory, loaded through load_weight.py")
+    source.add_argument("--from_hf", help="a local Hugging Face GPT-2 directory, loaded through load_weight.py "
+                                          "(plain continuation)")
     p.add_argument("--tokenizer", help="tokenizer directory for --from_hf (default: the directory's own vocab.txt "
                                        "if it is the BERT-Chinese one, else data/tokenizer); checkpoints carry theirs")
+
+
+def parse_args(argv=None):
+    p = ArgumentParser(description="Generate text from a stage checkpoint (pretrain, SFT, PPO, DPO or GRPO).")
+    add_model_arguments(p)
     prompts = p.add_mutually_exclusive_group()
     prompts.add_argument("--prompt", help="generate for this one prompt and print the answer")
     prompts.add_argument("--prompts_file", help="a file of prompts: one per line, or .jsonl lines with a \"prompt\"")

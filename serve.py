@@ -57,8 +57,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from chinese_tokenizer import EOS_ID, PAD_ID, IncrementalDecoder, chat_messages_ids, decode
 from cli import ArgumentParser, UserError, positive_int, run
-from generate import DTYPES, add_dtype_argument, check_reward_dir, find_latest_checkpoint, load_policy, load_reward, \
-    pick_device, prompt_to_ids, weight_dtype
+from generate import (DTYPES, add_dtype_argument, add_model_arguments, check_reward_dir, find_latest_checkpoint,
+                      load_policy, load_reward, pick_device, prompt_to_ids, weight_dtype)
 from gpt_model import generate
 from reward import score_texts
 
@@ -542,11 +542,7 @@ def log_request(kind: str, usage: dict, finishes: list[str], started: float) -> 
 
 def parse_args(argv=None):
     p = ArgumentParser(description="Serve a checkpoint over an OpenAI-compatible HTTP API, with a web chat page at /.")
-    source = p.add_mutually_exclusive_group()
-    source.add_argument("--checkpoint", help="stage checkpoint directory (default: the latest of checkpoints/ppo, "
-                                             "checkpoints/sft, checkpoints/pretrain)")
-    source.add_argument("--from_hf", help="a local Hugging Face GPT-2 directory (plain continuation only)")
-    p.add_argument("--tokenizer", help="tokenizer directory for --from_hf")
+    add_model_arguments(p)
     p.add_argument("--reward", help="reward model checkpoint (from 2-RM.py): score every choice, best first")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     p.add_argument("--port", type=int, default=8000, help="TCP port (0: any free port)")

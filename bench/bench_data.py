@@ -127,8 +127,9 @@ def main():
     import datasets
     import torch
 
-    print(f"CPU: {open('/proc/cpuinfo').read().split('model name')[1].split(':')[1].splitlines()[0].strip()}; "
-          f"{os.cpu_count()} cores; torch {torch.__version__}, datasets {datasets.__version__}")
+    from bench_attention import cpu_name
+
+    print(f"CPU: {cpu_name()}; {os.cpu_count()} cores; torch {torch.__version__}, datasets {datasets.__version__}")
     cache = os.path.join(args.out, "hf_cache")  # a datasets cache of its own: the first run is really cold
     shutil.rmtree(cache, ignore_errors=True)
     env = {**os.environ, "HF_DATASETS_CACHE": cache,

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import statistics
 import sys
 import time
@@ -30,22 +29,12 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from bench_attention import cpu_name  # noqa: E402
 from cli import HelpFormatter  # noqa: E402
 from gpt_model import GPTModel, generate, get_preset  # noqa: E402
 
 PROMPT_LEN = 16
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def read_bandwidth(nbytes: int, repeats: int = 7) -> float:
