@@ -44,9 +44,13 @@ def parse_args(argv=None):
     p = stage_parser("Stage 0: pretrain a GPT-2 on Chinese text (next-token prediction).",
                      default_path("checkpoints", "pretrain"), DEFAULTS)
     p.add_argument("--train_files", nargs="+", default=[default_path("data", "pretrain", "train.jsonl")],
-                   help=".txt (documents separated by blank lines) or .jsonl ({\"text\"}) files or globs")
+                   help=".txt (documents separated by blank lines), .jsonl/.json/.parquet (the text in --text_field) "
+                        "files, folders or globs, or a datasets dataset: a Hub name as NAME, NAME:SPLIT or "
+                        "NAME:CONFIG:SPLIT (split default: train), or a local dataset folder")
     p.add_argument("--val_files", nargs="+", default=[default_path("data", "pretrain", "val.jsonl")],
-                   help="held-out documents (same formats as --train_files) for the validation loss")
+                   help="held-out documents (same forms as --train_files) for the validation loss")
+    p.add_argument("--text_field", default="text",
+                   help="the field (.jsonl/.json), column (.parquet, datasets) that holds each document's text")
     p.add_argument("--init", help="start from this stage checkpoint's weights instead of a new model")
     p.add_argument("--init_from_hf", help="start from a local Hugging Face GPT-2 directory (see load_weight.py)")
     p.add_argument("--context_length", type=int,
@@ -92,10 +96,10 @@ def main(argv=None):
     # --- data: documents -> tokens -> blocks of block_len next-token predictions ---------------------------------
     with accelerator.main_process_first():  # the first process fills the datasets cache, the others reuse it
         # documents start as the model's did in training: with [CLS] for uer's weights, with nothing for ours
-        train = PackedBlocks(load_text_documents(args.train_files, "--train_files"), tokenizer, block_len, "train",
-                             model.cfg.bos_id)
-        val = PackedBlocks(load_text_documents(args.val_files, "--val_files"), tokenizer, block_len, "val",
-                           model.cfg.bos_id)
+        train = PackedBlocks(load_text_documents(args.train_files, "--train_files", args.text_field), tokenizer,
+                             block_len, "train", model.cfg.bos_id)
+        val = PackedBlocks(load_text_documents(args.val_files, "--val_files", args.text_field), tokenizer,
+                           block_len, "val", model.cfg.bos_id)
     eval_blocks = spread_subset(len(val), args.eval_examples)  # a fixed subset keeps each evaluation short
     schedule = BatchSchedule(len(train), args.batch_size, args.gradient_accumulation_steps,
                              accelerator.num_processes, args.seed)

@@ -62,6 +62,8 @@ def parse_args(argv=None):
                         '"output"} or {"messages": [{"role", "content"}, ...]} records, told apart per file')
     p.add_argument("--val_files", nargs="+", default=[default_path("data", "sft", "val.jsonl")],
                    help="held-out prompt/response pairs for the validation response loss and sample answers")
+    p.add_argument("--system", help="a system text for every conversation that has none of its own ([CLS] system "
+                                    "[SEP] user [ANS] ...); give generate.py the same --system when chatting")
     p.add_argument("--max_length", type=positive_int,
                    help="positions read per pair (default: the model's context_length); longer pairs lose the "
                         "start of their prompt")
@@ -129,8 +131,8 @@ def main(argv=None):
 
     # --- data: pairs -> [CLS] prompt [ANS] response [SEP] -> (inputs, response-only labels) ----------------------
     # (a conversation of several turns: [CLS] user [ANS] assistant [SEP] user [ANS] ..., every assistant turn learned)
-    train = ChatPairs(read_chat_pairs(args.train_files, "--train_files"), tokenizer, max_length)
-    val = ChatPairs(read_chat_pairs(args.val_files, "--val_files"), tokenizer, max_length)
+    train = ChatPairs(read_chat_pairs(args.train_files, "--train_files", args.system), tokenizer, max_length)
+    val = ChatPairs(read_chat_pairs(args.val_files, "--val_files", args.system), tokenizer, max_length)
     for pairs, what in ((train, "train"), (val, "val")):
         if pairs.truncation_warning(what):
             accelerator.print(pairs.truncation_warning(what))

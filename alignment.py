@@ -25,7 +25,7 @@ import torch
 from checkpoint import load_backbone, load_checkpoint
 from chinese_tokenizer import EOS_ID, chat_prompt_ids, decode
 from cli import UserError, default_path, positive_int
-from corpus import pad_left, read_jsonl
+from corpus import pad_left, read_prompt_files, shown_prompt
 from gpt_model import generate
 from judge import reward_hacking_flag, summarize
 from training import markdown_table
@@ -222,7 +222,7 @@ def write_samples(path, examples):
     """``samples.md``: the PPO policy's held-out answers (the first sample of each prompt) with their RM scores."""
     with open(path, "w", encoding="utf-8") as f:
         f.write(markdown_table(("prompt", "response", "RM score"),
-                               [(e["prompt"], e["response"], e["score"]) for e in examples]))
+                               [(shown_prompt(e["prompt"]), e["response"], e["score"]) for e in examples]))
 
 
 def add_held_out_arguments(p, stage: str) -> None:
@@ -240,15 +240,16 @@ def add_held_out_arguments(p, stage: str) -> None:
     p.add_argument("--max_new_tokens", type=positive_int, help="longest response")
 
 
-def read_val_prompts(args) -> list[str]:
-    """The first ``--eval_examples`` held-out prompts of ``--val_prompts_file``; ``UserError`` names a bad line."""
-    return [r["prompt"] for r in read_jsonl(args.val_prompts_file, ("prompt",))][:args.eval_examples]
+def read_val_prompts(args) -> list:
+    """The first ``--eval_examples`` held-out prompts of ``--val_prompts_file`` (strings, or conversations as
+    tuples of turns: ``corpus.prompt_of``); ``UserError`` names a bad line."""
+    return read_prompt_files(args.val_prompts_file, "--val_prompts_file")[:args.eval_examples]
 
 
-def read_prompts(args) -> tuple[list[str], list[str]]:
+def read_prompts(args) -> tuple[list, list]:
     """The prompts the policy practises on (``--prompts_file``) and the first ``--eval_examples`` held-out ones
     (``--val_prompts_file``) that measure it. Raises ``UserError`` naming a bad file and line."""
-    return [r["prompt"] for r in read_jsonl(args.prompts_file, ("prompt",))], read_val_prompts(args)
+    return read_prompt_files(args.prompts_file, "--prompts_file"), read_val_prompts(args)
 
 
 def load_policy_and_reward(args, tokenizer, device):

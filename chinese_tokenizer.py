@@ -138,11 +138,15 @@ def until_eos(ids: list[int]) -> list[int]:
     return ids[:ids.index(EOS_ID)] if EOS_ID in ids else ids
 
 
-def chat_prompt_ids(prompt: str, tokenizer: BertTokenizerFast, max_length: int | None = None) -> list[int]:
+def chat_prompt_ids(prompt, tokenizer: BertTokenizerFast, max_length: int | None = None) -> list[int]:
     """The prompt half of the chat template: ``[CLS] prompt [ANS]``; the model continues with the response.
 
     With ``max_length`` (>= 3), a longer prompt loses its beginning; ``[CLS]`` and ``[ANS]`` always stay.
+    ``prompt`` may also be a conversation, ``(role, content)`` pairs ending with a user turn: it is laid out by
+    ``chat_messages_ids`` (which gives exactly this layout for one user turn).
     """
+    if not isinstance(prompt, str):
+        return chat_messages_ids(list(prompt), tokenizer, max_length)
     prompt_ids = encode(prompt, tokenizer)
     if max_length is not None:
         if max_length < 3:

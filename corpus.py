@@ -2,13 +2,14 @@
 
 * ``read_jsonl(path, fields)``: a list of dicts, each checked to hold every field as a non-empty string; any bad
   line is a one-line ``UserError`` naming the file and line.
-* ``load_text_documents(patterns)``: a ``datasets.Dataset`` of documents from ``.txt`` files (documents separated by
-  a blank line) and/or ``.jsonl`` files (one ``{"text": ...}`` per line), read as a stream into Arrow files in the
-  ``datasets`` cache (a corpus larger than memory is fine; a second run opens the cache).
-* ``PackedBlocks``: the documents tokenized once with ``datasets.map`` into an int32 token file in the same cache
-  (keyed by the files and the tokenizer), joined with ``[SEP]`` and cut into blocks of ``context_length + 1``
-  tokens: block i gives ``input_ids = tokens[iL : iL+L]`` and ``labels = tokens[iL+1 : iL+L+1]``, the same tokens
-  shifted by one, each read from the file when it is asked for.
+* ``load_text_documents(patterns)``: a ``TextDocuments`` stream of pretraining documents from ``.txt`` files
+  (documents separated by a blank line), ``.jsonl`` / ``.json`` / ``.parquet`` records (the text in
+  ``--text_field``), folders and globs of them, and ``datasets`` datasets (a Hub name or a local dataset folder);
+  nothing is read until it is iterated, so a corpus larger than memory is fine.
+* ``PackedBlocks``: the documents tokenized once, as they are read, into a flat uint16 token file in the
+  ``datasets`` cache (keyed by the files and the tokenizer), joined with ``[SEP]`` and cut into blocks of
+  ``context_length + 1`` tokens: block i gives ``input_ids = tokens[iL : iL+L]`` and
+  ``labels = tokens[iL+1 : iL+L+1]``, the same tokens shifted by one, each read from the file when it is asked for.
 * ``pad_right(sequences)``: variable-length id lists -> a right-padded ``input_ids`` and its ``attention_mask``.
 * ``chat_example`` / ``ChatPairs`` / ``collate_chat``: (prompt, response) pairs through the chat template into
   supervised fine-tuning examples: ``input_ids = ids[:-1]`` and ``labels = ids[1:]`` kept only where the next token
@@ -23,6 +24,7 @@ import glob
 import itertools
 import json
 import os
+import re
 
 import numpy as np
 import torch
@@ -31,7 +33,7 @@ from chinese_tokenizer import PAD_ID, SEP_ID, chat_conversation_ids, normalize_t
 from cli import UserError
 
 
-DATA_SUFFIXES = (".jsonl", ".json", ".txt")
+DATA_SUFFIXES = (".jsonl", ".json", ".txt", ".parquet")
 
 
 def expand_files(patterns, what: str) -> list[str]:
@@ -74,11 +76,14 @@ def read_lines(path: str) -> list[str]:
 
 
 def read_records(path: str) -> list[tuple[str, object]]:
-    """The records of a JSON-lines file, or of a ``.json`` file holding one JSON array (how alpaca-style data sets
-    are often published), each with where it came from ("FILE line N" or "FILE item N") for error messages.
+    """The records of a JSON-lines file, of a ``.json`` file holding one JSON array (how alpaca-style data sets
+    are often published) or of a ``.parquet`` file (how the Hub publishes them), each with where it came from
+    ("FILE line N", "FILE item N" or "FILE row N") for error messages.
 
     Blank lines are skipped. Raises ``UserError`` naming the file and line of the first line that is not JSON.
     """
+    if path.endswith(".parquet"):
+        return list(_parquet_records(path))
     if path.endswith(".json"):
         text = "\n".join(_text_stream(path))
         if text.lstrip().startswith("["):
@@ -167,11 +172,13 @@ def conversation_of(where: str, row, fmt: str) -> list[tuple[str, str]]:
     return turns
 
 
-def read_chat_pairs(patterns, what: str) -> list[dict]:
+def read_chat_pairs(patterns, what: str, system: str | None = None) -> list[dict]:
     """Every conversation in the files matching ``patterns``, in file order (SFT's data, and the SFT response
     bigram's): rows ``{"messages": [(role, content), ...], "prompt": the last user turn, "response": the last
     assistant turn}``. Each file may be in any of ``CHAT_FORMATS`` (``.jsonl``, or a ``.json`` array), detected
     from its first record.
+
+    A ``system`` text, if given, opens every conversation that has no system message of its own.
 
     Raises ``UserError`` naming the file and line of a record that does not fit its file's format, or a file with
     no record.
@@ -185,6 +192,8 @@ def read_chat_pairs(patterns, what: str) -> list[dict]:
         fmt = chat_format(records[0][1])
         for where, record in records:
             turns = conversation_of(where, record, fmt)
+            if system and turns[0][0] != "system":
+                turns.insert(0, ("system", system))
             rows.append({"messages": turns, "prompt": turns[-2][1], "response": turns[-1][1]})
     return rows
 
@@ -251,40 +260,137 @@ def read_preference_pairs(patterns, what: str) -> list[tuple]:
     return triples
 
 
-def _documents(files: list[tuple[str, int, int]]):
-    """The documents of ``files`` ((path, size, mtime) triples) one by one, read as a stream: a .txt file's
-    documents are separated by a blank line, a .jsonl file holds one ``{"text"}`` per line (a .json file may also
-    be one array of them). Raises ``UserError`` naming the file and line of a bad record, or a file with none."""
-    for path, _, _ in files:
-        found = False
-        if path.endswith((".jsonl", ".json")):
-            # a .json file may be one array (read whole: such files are small); .jsonl is read line by line
-            records = read_records(path) if path.endswith(".json") else _jsonl_stream(path)
-            for where, row in records:
-                check_fields(where, row, ("text",))
+def prompt_of(where: str, row):
+    """One prompt record -> the prompt: a string, or a tuple of ``(role, content)`` turns ending with a user turn.
+
+    Accepted: our ``{"prompt"}`` (a string or a list of messages); alpaca ``{"instruction", "input"}`` (an
+    ``"output"`` is ignored); ``{"messages": [...]}`` ending with a user turn, or with an assistant turn, which is
+    dropped (the policy writes its own). A ``"system"`` field opens the conversation. Raises ``UserError`` naming
+    ``where`` and the problem.
+    """
+    if isinstance(row, dict) and isinstance(row.get("prompt"), str) and not row.get("system", "").strip():
+        check_fields(where, row, ("prompt",))
+        return row["prompt"]
+    fmt = chat_format(row)
+    if fmt == "messages":
+        turns = turns_of(where, "messages", row["messages"])
+        if turns and turns[-1][0] == "assistant":
+            turns = turns[:-1]
+    elif fmt == "alpaca":
+        check_fields(where, row, ("instruction",), ("input", "system"))
+        turns = [("user", row["instruction"] + ("\n" + row["input"] if row.get("input", "").strip() else ""))]
+    elif isinstance(row, dict) and isinstance(row.get("prompt"), list):
+        turns = turns_of(where, "prompt", row["prompt"])
+    else:
+        check_fields(where, row, ("prompt",), ("system",))
+        turns = [("user", row["prompt"])]
+    if fmt != "messages" and row.get("system", "").strip():
+        turns.insert(0, ("system", row["system"]))
+    try:
+        split_conversation(turns, last="user")
+    except ValueError as e:
+        raise UserError(f"{where}: {e}") from e
+    return turns[0][1] if len(turns) == 1 else tuple(turns)  # one user turn: the plain string, as before
+
+
+def read_prompt_files(patterns, what: str) -> list:
+    """The prompts in the files matching ``patterns`` (PPO's and GRPO's practice prompts, every aligner's held-out
+    ones), in file order; see ``prompt_of`` for the records. Raises ``UserError`` naming the file and line of a
+    bad record, or a file with none."""
+    prompts = []
+    for path in expand_files(patterns, what):
+        records = read_records(path)
+        if not records:
+            raise UserError(f"{path} holds no rows; expected JSON lines with a 'prompt' (or alpaca / messages "
+                            f"records)")
+        prompts += [prompt_of(where, record) for where, record in records]
+    return prompts
+
+
+def shown_prompt(prompt) -> str:
+    """A prompt for a table: the string, or a conversation's last user turn after "…" for the turns before it."""
+    return prompt if isinstance(prompt, str) else ("… " if len(prompt) > 1 else "") + prompt[-1][1]
+
+
+def _file_documents(path: str, text_field: str, progress):
+    """The documents of one file, read as a stream: a .txt file's documents are separated by a blank line, a
+    .jsonl file holds one JSON object per line with the text in ``text_field`` (a .json file may also be one array
+    of them), a .parquet file has a ``text_field`` column. ``progress(n)`` is told of each n bytes read. Raises
+    ``UserError`` naming the file and line (or row) of a bad record, or a file with no document."""
+    found = False
+    if path.endswith(".parquet"):
+        parquet = _open_parquet(path)
+        if text_field not in parquet.schema_arrow.names:
+            raise UserError(f"{path} has no column '{text_field}' (its columns: {', '.join(parquet.schema_arrow.names)})"
+                            f"; pass --text_field with the column that holds the text")
+        size, rows, done = os.path.getsize(path), max(1, parquet.metadata.num_rows), 0
+        for batch in parquet.iter_batches(batch_size=1024, columns=[text_field]):
+            for text in batch.column(0).to_pylist():
+                done += 1
+                if not isinstance(text, str) or not text.strip():
+                    raise UserError(f"{path} row {done}: column '{text_field}' is not a non-empty string; drop or fix "
+                                    f"that row")
                 found = True
-                yield {"text": normalize_text(row["text"])}
-        else:
+                yield normalize_text(text)
+            progress(size * len(batch) // rows)
+    elif path.endswith((".jsonl", ".json")):
+        # a .json file may be one array (read whole: such files are small); .jsonl is read line by line
+        records = read_records(path) if path.endswith(".json") else _jsonl_stream(path, progress)
+        for where, row in records:
+            check_fields(where, row, (text_field,))
+            found = True
+            yield normalize_text(row[text_field])
+        if path.endswith(".json"):
+            progress(os.path.getsize(path))
+    else:
+        lines = []
+        for line in itertools.chain(_text_stream(path, progress), [""]):  # an empty line ends a document
+            if line:
+                lines.append(line)
+                continue
+            text = "\n".join(lines).strip()
             lines = []
-            for line in itertools.chain(_text_stream(path), [""]):  # an empty line ends a document
-                if line:
-                    lines.append(line)
-                    continue
-                text = "\n".join(lines).strip()
-                lines = []
-                if text:
-                    found = True
-                    yield {"text": text}
-        if not found:
-            raise UserError(f"{path} holds no text; give a file with documents")
+            if text:
+                found = True
+                yield text
+    if not found:
+        raise UserError(f"{path} holds no text; give a file with documents")
 
 
-def _text_stream(path: str):
-    """The lines of a UTF-8 text file without their line ends, read lazily (``UserError`` if not UTF-8)."""
+def _open_parquet(path: str):
+    """A ``pyarrow.parquet.ParquetFile`` (read in row batches, never whole); ``UserError`` if it is not one."""
+    import pyarrow
+    import pyarrow.parquet as pq
+
+    try:
+        return pq.ParquetFile(path)
+    except (OSError, pyarrow.ArrowException) as e:
+        raise UserError(f"{path} is not a parquet file ({e}); fix or convert it") from e
+
+
+def _parquet_records(path: str):
+    """(where, record) for each row of a parquet file, read one row group batch at a time."""
+    number = 0
+    for batch in _open_parquet(path).iter_batches(batch_size=1024):
+        for record in batch.to_pylist():
+            number += 1
+            yield f"{path} row {number}", record
+
+
+def _text_stream(path: str, progress=None):
+    """The lines of a UTF-8 text file without their line ends, read lazily (``UserError`` if not UTF-8);
+    ``progress(n)``, if given, is told of each n bytes read."""
     try:
         with open(path, encoding="utf-8", newline=None) as f:  # universal newlines: CRLF and CR become "\n"
-            for line in f:
+            told = 0
+            for number, line in enumerate(f, start=1):
+                if progress is not None and number % 4096 == 0:
+                    position = f.buffer.tell()  # the bytes read so far, in the reader's 8 KB steps
+                    progress(position - told)
+                    told = position
                 yield line.rstrip("\n")
+            if progress is not None:
+                progress(os.fstat(f.fileno()).st_size - told)
     except FileNotFoundError as e:
         raise UserError(f"{path} not found; fix the path (the default data files come from "
                         f"`python data/prepare.py`)") from e
@@ -292,9 +398,9 @@ def _text_stream(path: str):
         raise UserError(f"{path} is not UTF-8 text (bad byte at offset {e.start}); convert it to UTF-8") from e
 
 
-def _jsonl_stream(path: str):
+def _jsonl_stream(path: str, progress=None):
     """(where, record) for each non-blank line of a JSON-lines file, read lazily."""
-    for number, line in enumerate(_text_stream(path), start=1):
+    for number, line in enumerate(_text_stream(path, progress), start=1):
         if not line.strip():
             continue
         try:
@@ -303,73 +409,166 @@ def _jsonl_stream(path: str):
             raise UserError(f"{path} line {number} is not valid JSON ({e.msg}); fix or remove that line") from e
 
 
-def load_text_documents(patterns, what: str):
-    """A ``datasets.Dataset`` with one column ``text``, one row per document, from .txt files (documents separated
-    by a blank line) and .jsonl files (one ``{"text"}`` per line), files and folders and globs.
+def _dataset_spec(pattern: str):
+    """``(name, config, split)`` when ``pattern`` stands for a ``datasets`` dataset rather than data files: a folder
+    written by ``Dataset.save_to_disk``, a folder with no data file directly in it (a dataset repository cloned
+    from the Hub, its files under ``data/``), or a name that is no local path, ``NAME[:CONFIG]:SPLIT`` (e.g.
+    ``wikimedia/wikipedia:20231101.zh:train``) whose first part is no local folder. None for files, folders of files,
+    globs and mistyped local paths."""
+    base, bracket, rows = pattern.partition("[")  # a split may select rows: train[:1%] (its colon is no separator)
+    if glob.has_magic(base) or (bracket and ":" not in base):  # a glob, not a dataset
+        return None
+    if os.path.isdir(pattern):
+        names = os.listdir(pattern)
+        saved = {"state.json", "dataset_dict.json"} & set(names)
+        if saved or not any(n.endswith(DATA_SUFFIXES) and not n.startswith(".") for n in names):
+            return pattern, None, None
+        return None
+    if os.path.exists(pattern):
+        return None
+    name, *rest = base.split(":")
+    if rest and bracket:
+        rest[-1] += bracket + rows
+    hub_name = re.fullmatch(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)?", name) and not os.path.isdir(name.split("/")[0])
+    if len(rest) > 2 or name.endswith(DATA_SUFFIXES) or not (os.path.isdir(name) or hub_name):
+        return None  # e.g. data/pretrian: a mistyped local path (its folder exists), not a Hub name
+    config, split = rest if len(rest) == 2 else (None, rest[0] if rest else None)
+    return name, config or None, split or None
 
-    The files are read once, as a stream, into Arrow files in the ``datasets`` cache (memory does not grow with
-    the corpus); the cache is keyed by the files' paths, sizes and modification times, so a second run with the
-    same files opens it at once and an edited file is read again.
 
-    Raises:
-        UserError: no file, an empty file, bad UTF-8, or a jsonl line without a "text" string.
-    """
+def _load_dataset(spec, pattern: str, what: str, text_field: str):
+    """The ``datasets.Dataset`` that ``_dataset_spec`` found in ``pattern`` (the Hub's are downloaded once into the
+    ``datasets`` cache). Raises ``UserError`` when ``datasets`` cannot load it or it has no ``text_field``."""
     import datasets
 
-    files = [(os.path.realpath(f), os.path.getsize(f), os.stat(f).st_mtime_ns) for f in expand_files(patterns, what)]
+    name, config, split = spec
     try:
-        return datasets.Dataset.from_generator(_documents, gen_kwargs={"files": files})
-    except datasets.exceptions.DatasetGenerationError as e:  # our own one-line error, raised inside the reader
-        cause = e.__cause__ or e.__context__
-        while cause is not None and not isinstance(cause, UserError):
-            cause = cause.__cause__ or cause.__context__
-        if cause is not None:
-            raise cause from None
+        if os.path.isdir(name) and {"state.json", "dataset_dict.json"} & set(os.listdir(name)):
+            ds = datasets.load_from_disk(name)
+            if isinstance(ds, datasets.DatasetDict):
+                if (split or "train") not in ds:
+                    raise UserError(f"{what}: {name} has no split '{split or 'train'}' (its splits: "
+                                    f"{', '.join(ds)}); write {name}:SPLIT")
+                ds = ds[split or "train"]
+        else:
+            ds = datasets.load_dataset(name, config, split=split or "train")
+    except UserError:
         raise
+    except Exception as e:  # datasets raises many kinds (no such repository, offline, unknown split or config)
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise UserError(f"{what}: {pattern} is no data file, and datasets could not load it as a dataset "
+                        f"({reason[:200]}); give .txt/.jsonl/.json/.parquet files, folders or globs, or a dataset "
+                        f"as NAME, NAME:SPLIT or NAME:CONFIG:SPLIT") from e
+    if text_field not in ds.column_names:
+        raise UserError(f"{what}: dataset {pattern} has no column '{text_field}' (its columns: "
+                        f"{', '.join(ds.column_names)}); pass --text_field with the column that holds the text")
+    return ds
 
 
-def tokens_path(documents, tokenizer, bos_id: int | None) -> str:
+class TextDocuments:
+    """A pretraining corpus as a stream of documents: data files (.txt with documents separated by a blank line,
+    .jsonl / .json / .parquet with the text in ``text_field``), folders and globs of them, and ``datasets``
+    datasets (a Hub name or a local dataset folder, see ``_dataset_spec``), in the order given.
+
+    Nothing is read until the documents are iterated: ``iter(documents)`` yields each document's text.
+    ``documents.key`` identifies the content: the files' paths, sizes and modification times, and the datasets'
+    fingerprints (so an edited file gives a new key); ``documents.num_bytes`` is the input's size, for progress.
+
+    Raises ``UserError`` (here) for a pattern that matches nothing, an empty file or a dataset that does not load,
+    and (while iterating) for bad UTF-8, bad JSON or a record without its text, naming the file and line.
+    """
+
+    def __init__(self, patterns, what: str, text_field: str = "text"):
+        self.what, self.text_field, self.parts = what, text_field, []
+        for pattern in [patterns] if isinstance(patterns, str) else patterns:
+            spec = _dataset_spec(pattern)
+            if spec is not None:
+                self.parts.append(_load_dataset(spec, pattern, what, text_field))
+            else:
+                self.parts += [os.path.realpath(path) for path in expand_files(pattern, what)]
+        self.num_bytes = sum(os.path.getsize(p) if isinstance(p, str) else p.data.nbytes for p in self.parts)
+
+    @property
+    def key(self) -> str:
+        described = [(p, os.path.getsize(p), os.stat(p).st_mtime_ns) if isinstance(p, str) else p._fingerprint
+                     for p in self.parts]
+        return json.dumps([described, self.text_field], ensure_ascii=False)
+
+    def __iter__(self):
+        return self.stream(lambda n: None)
+
+    def stream(self, progress):
+        """The documents' texts in order; ``progress(n)`` is told of each n input bytes read."""
+        for part in self.parts:
+            if isinstance(part, str):
+                yield from _file_documents(part, self.text_field, progress)
+                continue
+            done = 0
+            for batch in part.select_columns([self.text_field]).iter(batch_size=1024):
+                for text in batch[self.text_field]:
+                    done += 1
+                    if not isinstance(text, str) or not text.strip():
+                        raise UserError(f"{self.what}: row {done} of the dataset has no text in "
+                                        f"'{self.text_field}'; filter it out or pass another --text_field")
+                    yield normalize_text(text)
+                progress(part.data.nbytes * len(batch[self.text_field]) // max(1, len(part)))
+
+
+def load_text_documents(patterns, what: str, text_field: str = "text") -> TextDocuments:
+    """The documents of ``patterns`` (see ``TextDocuments``), checked to exist; ``what`` names the argument in
+    errors, ``text_field`` the field or column of .jsonl/.json/.parquet records and datasets that holds the text."""
+    return TextDocuments(patterns, what, text_field)
+
+
+def tokens_path(documents: TextDocuments, tokenizer, bos_id: int | None) -> str:
     """Where the token file of ``documents`` tokenized by ``tokenizer`` lives: in the ``datasets`` cache, named by
-    the documents' fingerprint, the tokenizer's vocabulary and the start token."""
+    the documents' key, the tokenizer's vocabulary and the start token (its description sits beside it as .json)."""
     import hashlib
 
     import datasets
 
     vocab = json.dumps(sorted(tokenizer.get_vocab().items()), ensure_ascii=False)
-    key = hashlib.sha256(f"{documents._fingerprint}|{vocab}|{bos_id}|int32-v1".encode("utf-8")).hexdigest()[:24]
-    return os.path.join(datasets.config.HF_DATASETS_CACHE, "gpt2-zh-tokens", f"{key}.npy")
+    key = hashlib.sha256(f"{documents.key}|{vocab}|{bos_id}|v2".encode("utf-8")).hexdigest()[:24]
+    return os.path.join(datasets.config.HF_DATASETS_CACHE, "gpt2-zh-tokens", f"{key}.bin")
 
 
-def tokenize_to_file(documents, tokenizer, path: str, bos_id: int | None, what: str) -> None:
-    """Tokenize ``documents`` (each followed by ``[SEP]``, preceded by ``bos_id`` if given) with
-    ``datasets.map`` in this process (the fast tokenizer spreads each batch over the CPU's cores itself: on 2 cores
-    that was faster than 2 processes, bench/bench_data.py) and write the ids, concatenated, as one int32 ``.npy``
-    file at ``path`` (written beside it and renamed into place, chunk by chunk: memory does not grow with it)."""
+def tokenize_to_file(documents: TextDocuments, tokenizer, path: str, bos_id: int | None, what: str) -> dict:
+    """Tokenize ``documents`` as they are read (each followed by ``[SEP]``, preceded by ``bos_id`` if given), 1024
+    at a time (the fast tokenizer spreads each batch over the CPU's cores itself), and append the ids to a flat
+    file at ``path``: uint16 when the vocabulary fits (BERT-Chinese's 21128 does), else int32. A progress bar
+    with an ETA follows the input bytes.
+
+    Memory does not grow with the corpus: no intermediate copy is kept, and the file is written with plain writes
+    (pages of a written memory map would count as this process's memory). The file is written beside ``path`` and
+    renamed into place after its description ``path[:-4] + ".json"`` ({"dtype", "tokens", "documents"}), which is
+    returned. Raises ``UserError`` for bad input (nothing is left behind).
+    """
+    from tqdm.auto import tqdm
+
     start = [] if bos_id is None else [bos_id]
-
-    def tokenize(batch):
-        ids = tokenizer(batch["text"], add_special_tokens=False)["input_ids"]
-        return {"input_ids": [start + doc + [SEP_ID] for doc in ids], "length": [len(doc) + len(start) + 1
-                                                                               for doc in ids]}
-
-    tokenized = documents.map(tokenize, batched=True, remove_columns=documents.column_names,
-                              desc=f"tokenizing {what}")
-    import pyarrow.compute as pc
-
-    total = int(pc.sum(tokenized.data.column("length")).as_py() or 0)
+    dtype = np.dtype(np.uint16 if max(len(tokenizer), SEP_ID, bos_id or 0) < 2 ** 16 else np.int32)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = f"{path}.{os.getpid()}.tmp"
-    written = 0
-    with open(tmp, "wb") as f:  # plain writes: pages of a written memory map would count as this process's memory
-        np.lib.format.write_array_header_1_0(f, {"descr": np.dtype(np.int32).str, "fortran_order": False,
-                                                 "shape": (total,)})
-        for chunk in tokenized.data.column("input_ids").chunks:  # Arrow record batches, read from the cache file
-            flat = chunk.flatten().to_numpy(zero_copy_only=False).astype(np.int32)
-            f.write(flat.tobytes())
-            written += len(flat)
-    if written != total:
-        raise RuntimeError(f"wrote {written} tokens, expected {total}")
-    os.replace(tmp, path)
+    info = {"dtype": dtype.name, "tokens": 0, "documents": 0}
+    try:
+        with open(tmp, "wb") as f, tqdm(total=documents.num_bytes, unit="B", unit_scale=True, dynamic_ncols=True,
+                                        desc=f"tokenizing {what}") as bar:
+            texts = documents.stream(bar.update)
+            while batch := list(itertools.islice(texts, 1024)):
+                ids = tokenizer(batch, add_special_tokens=False)["input_ids"]
+                flat = np.fromiter(itertools.chain.from_iterable(start + doc + [SEP_ID] for doc in ids), dtype=dtype)
+                f.write(flat.tobytes())
+                info["tokens"] += len(flat)
+                info["documents"] += len(batch)
+        with open(tmp + ".json", "w", encoding="utf-8") as f:
+            json.dump({**info, "source": json.loads(documents.key)}, f, ensure_ascii=False)
+        os.replace(tmp + ".json", path[:-len(".bin")] + ".json")
+        os.replace(tmp, path)
+    finally:
+        for leftover in (tmp, tmp + ".json"):
+            if os.path.exists(leftover):
+                os.remove(leftover)
+    return info
 
 
 class PackedBlocks:
@@ -381,28 +580,33 @@ class PackedBlocks:
 
     The tokens are computed once per corpus and tokenizer (``tokenize_to_file``) and then read from disk: a block
     by a plain read of its L + 1 ids (pages of a memory map that blocks touched would stay in the process's resident
-    memory, up to the whole file over an epoch); ``tokens`` is the whole (N,) int32 array as a read-only memory map,
-    for whoever needs all of it. So a second run starts at once and memory does not grow with the corpus.
+    memory, up to the whole file over an epoch); ``tokens`` is the whole (N,) array as a read-only memory map, for
+    whoever needs all of it. So a second run starts at once and memory does not grow with the corpus.
     """
 
-    def __init__(self, documents, tokenizer, block_len: int, what: str = "data", bos_id: int | None = None):
+    def __init__(self, documents: TextDocuments, tokenizer, block_len: int, what: str = "data",
+                 bos_id: int | None = None):
         path = tokens_path(documents, tokenizer, bos_id)
-        if not os.path.isfile(path):
-            tokenize_to_file(documents, tokenizer, path, bos_id, what)
-        self.path, self.tokens = path, np.load(path, mmap_mode="r")  # (N,) int32, read lazily
-        self.block_len = block_len
-        self.num_documents = len(documents)
-        if len(self) == 0:
-            raise UserError(f"{what}: only {len(self.tokens)} tokens, fewer than one block of {block_len + 1}; "
+        described = path[:-len(".bin")] + ".json"
+        if os.path.isfile(path) and os.path.isfile(described):
+            with open(described, encoding="utf-8") as f:
+                info = json.load(f)
+        else:
+            info = tokenize_to_file(documents, tokenizer, path, bos_id, what)
+        self.path, self.dtype, self.block_len = path, np.dtype(info["dtype"]), block_len
+        self.num_documents = info["documents"]
+        if (info["tokens"] - 1) // block_len < 1:
+            raise UserError(f"{what}: only {info['tokens']} tokens, fewer than one block of {block_len + 1}; "
                             f"give more text or a smaller context")
+        self.tokens = np.memmap(path, dtype=self.dtype, mode="r", shape=(info["tokens"],))  # (N,), read lazily
 
     def __len__(self) -> int:
-        return max(0, (len(self.tokens) - 1) // self.block_len)
+        return (len(self.tokens) - 1) // self.block_len
 
     def __getitem__(self, i: int):
         start = i * self.block_len
-        ids = np.fromfile(self.path, dtype=np.int32, count=self.block_len + 1,
-                          offset=self.tokens.offset + 4 * start)  # (L + 1,)
+        ids = np.fromfile(self.path, dtype=self.dtype, count=self.block_len + 1,
+                          offset=self.dtype.itemsize * start)  # (L + 1,)
         chunk = torch.from_numpy(ids.astype(np.int64))
         return chunk[:-1], chunk[1:]
 

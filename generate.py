@@ -44,7 +44,7 @@ import sys
 import torch
 
 from checkpoint import check_vocab, load_checkpoint, read_config
-from chinese_tokenizer import EOS_ID, IncrementalDecoder, chat_prompt_ids, decode, encode, until_eos
+from chinese_tokenizer import EOS_ID, IncrementalDecoder, chat_messages_ids, decode, encode, until_eos
 from cli import ArgumentParser, UserError, default_path, non_negative_float, non_negative_int, positive_float, \
     positive_int, probability, run
 from gpt_model import generate
@@ -76,6 +76,8 @@ def parse_args(argv=None):
     prompts.add_argument("--prompts_file", help="a file of prompts: one per line, or .jsonl lines with a \"prompt\"")
     p.add_argument("--output", help="where --prompts_file answers go as JSON lines (default: stdout)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --output file")
+    p.add_argument("--system", help="a system text before each prompt of a chat checkpoint ([CLS] system [SEP] "
+                                    "prompt [ANS]), e.g. the one it was fine-tuned with (1-SFT.py --system)")
     p.add_argument("--raw", action="store_true", help="continue the prompt text as is, even for a chat (SFT/PPO/DPO/GRPO) checkpoint")
     p.add_argument("--max_new_tokens", type=positive_int, default=100, help="most tokens generated per answer")
     p.add_argument("--temperature", type=non_negative_float, default=0.8, help="0 means greedy decoding")
@@ -161,8 +163,9 @@ def load_reward(path: str, vocab_size: int):
 # --- one prompt ------------------------------------------------------------------------------------------------
 
 def prompt_to_ids(prompt: str, tokenizer, chat: bool, context_length: int,
-                  bos_id: int | None = None) -> list[int]:
-    """The model input for ``prompt``: its ids, or ``[CLS] ids [ANS]``, cut from the left to fit the context.
+                  bos_id: int | None = None, system: str | None = None) -> list[int]:
+    """The model input for ``prompt``: its ids, or ``[CLS] ids [ANS]`` (``[CLS] system [SEP] ids [ANS]`` with a
+    ``system`` text), cut from the left to fit the context.
     A plain continuation starts with ``bos_id`` when the model's documents did in training (``cfg.bos_id``: [CLS]
     for uer's weights); the token stays when the prompt is cut."""
     if not chat:
@@ -174,10 +177,12 @@ def prompt_to_ids(prompt: str, tokenizer, chat: bool, context_length: int,
                 f"{context_length}; keeping its last {room}")
             ids = ids[-room:]
         return start + ids
-    ids = chat_prompt_ids(prompt, tokenizer, context_length)  # [CLS] prompt [ANS], the prompt cut from its left
-    if len(ids) < len(encode(prompt, tokenizer)) + 2:
-        log(f"note: the prompt is longer than the {context_length - 2} tokens that fit in the model's context of "
-            f"{context_length} with the chat template; keeping its last {context_length - 2}")
+    messages = ([("system", system)] if system else []) + [("user", prompt)]
+    ids = chat_messages_ids(messages, tokenizer, context_length)  # [CLS] prompt [ANS], cut from its left to fit
+    if len(ids) < len(chat_messages_ids(messages, tokenizer)):
+        log(f"note: the prompt{' and system text' if system else ''} are longer than the {context_length} tokens "
+            f"of the model's context with the chat template; keeping {'the prompt, ' if system else ''}its last "
+            f"{len(ids) - 2} tokens")
     return ids
 
 
@@ -226,7 +231,7 @@ def answer(prompt: str, model, tokenizer, chat: bool, args, reward_model=None, o
     there is a reward model, else one row per sample. With ``out``, a single sample is streamed to it as it grows.
     With a reward model and a list ``kept``, the list of every sample's ``{"ids", "ended", "response", "score"}``
     is appended to it (for ``--monitors``)."""
-    ids = prompt_to_ids(prompt, tokenizer, chat, model.cfg.context_length, model.cfg.bos_id)
+    ids = prompt_to_ids(prompt, tokenizer, chat, model.cfg.context_length, model.cfg.bos_id, args.system)
     n = args.num_samples
     stream = TextStream(tokenizer, out) if out is not None and n == 1 and reward_model is None else None
     samples = sample(model, ids, args, n, stream)
@@ -358,6 +363,8 @@ def main(argv=None):
 
     device = pick_device(args.device)
     model, tokenizer, chat = load_policy(args)
+    if args.system and not chat:
+        raise UserError("--system is for chat checkpoints (SFT/PPO/DPO/GRPO); drop it, or drop --raw")
     model.to(device=device, dtype=DTYPES[args.dtype])
     reward_model = load_reward(args.reward, model.cfg.vocab_size).to(device) if args.reward else None
     log(f"device {device}, {weight_dtype(model)} weights; {sum(p.numel() for p in model.parameters()):,} "

@@ -3,9 +3,9 @@
 It builds a corpus of at least ``--size_gb`` GB of JSON lines from ``data/pretrain/train.jsonl`` (the documents
 repeated, each copy in a new shuffled order, split over several files), then measures in one run:
 
-  tokenize   text MB/s of ``datasets.map`` with the project tokenizer on the first ``--sample_mb`` MB: one process
-             on one thread, one process with the fast tokenizer's own threads (what the stages do), and 2 processes
-             (fresh each time, no cache)
+  tokenize   text MB/s on the first ``--sample_mb`` MB: the stages' own path (``corpus.tokenize_to_file``) on one
+             thread and with the fast tokenizer's own threads (what the stages do), and ``datasets.map`` with 2
+             processes for comparison
   first run  ``0-PRETRAIN.py --max_steps 20`` on the whole corpus from a cold cache: wall time and peak resident
              memory (the largest of the run's processes)
   second run the same command again: the tokens come from the cache; wall time, the time until the first training
@@ -60,29 +60,47 @@ def build_corpus(out: str, size_gb: float, files: int, seed: int = 0) -> tuple[l
     return paths, sum(os.path.getsize(p) for p in paths)
 
 
-def tokenize_rate(paths: list[str], sample_mb: int, num_proc: int, threads: bool = True) -> float:
-    """Text MB/s of ``datasets.map`` tokenizing the first ``sample_mb`` MB of the corpus with ``num_proc``
-    processes; ``threads=False`` turns off the fast tokenizer's own threads (TOKENIZERS_PARALLELISM)."""
-    os.environ["TOKENIZERS_PARALLELISM"] = "true" if threads else "false"
-    import datasets
-
-    from chinese_tokenizer import load_tokenizer
-
-    tokenizer = load_tokenizer(os.path.join(ROOT, "data", "tokenizer"))
-    texts, size = [], 0
-    with open(paths[0], encoding="utf-8") as f:
+def sample_file(paths: list[str], sample_mb: int, out: str) -> tuple[str, int]:
+    """The first ``sample_mb`` MB of the corpus's first file, as its own .jsonl; returns (path, bytes)."""
+    size = 0
+    with open(paths[0], encoding="utf-8") as f, open(out, "w", encoding="utf-8") as g:
         for line in f:
-            texts.append(json.loads(line)["text"])
+            g.write(line)
             size += len(line.encode("utf-8"))
             if size >= sample_mb * 1e6:
                 break
-    ds = datasets.Dataset.from_dict({"text": texts})
+    return out, size
+
+
+def tokenize_rate(sample: str, size: int, num_proc: int, threads: bool = True) -> float:
+    """Text MB/s of tokenizing ``sample`` with the project tokenizer. One process: the stages' own path,
+    ``corpus.tokenize_to_file`` (read, tokenize and write the token file); 2 processes: ``datasets.map`` with
+    ``num_proc=2`` on the same texts (tokenizing only), for comparison. ``threads=False`` turns off the fast
+    tokenizer's own threads (TOKENIZERS_PARALLELISM)."""
+    os.environ["TOKENIZERS_PARALLELISM"] = "true" if threads else "false"
+    from chinese_tokenizer import load_tokenizer
+    from corpus import load_text_documents, tokenize_to_file
+
+    tokenizer = load_tokenizer(os.path.join(ROOT, "data", "tokenizer"))
+    if num_proc == 1:
+        target = sample + ".bin"
+        t = time.time()
+        tokenize_to_file(load_text_documents(sample, "sample"), tokenizer, target, None, "sample")
+        seconds = time.time() - t
+        os.remove(target)
+        os.remove(sample + ".json")  # tokenize_to_file's description of the target
+        return size / 1e6 / seconds
+
+    import datasets
+
+    with open(sample, encoding="utf-8") as f:
+        ds = datasets.Dataset.from_dict({"text": [json.loads(line)["text"] for line in f]})
 
     def tokenize(batch):
         return {"input_ids": tokenizer(batch["text"], add_special_tokens=False)["input_ids"]}
 
     t = time.time()
-    ds.map(tokenize, batched=True, num_proc=num_proc if num_proc > 1 else None, remove_columns=["text"],
+    ds.map(tokenize, batched=True, num_proc=num_proc, remove_columns=["text"],
            load_from_cache_file=False, keep_in_memory=True, desc=f"tokenize x{num_proc}")
     return size / 1e6 / (time.time() - t)
 
@@ -138,13 +156,14 @@ def main():
     paths, size = build_corpus(os.path.join(args.out, "corpus"), args.size_gb, args.files)
     print(f"corpus: {size / 1e9:.2f} GB in {len(paths)} files ({time.time() - t:.0f} s to write)")
 
-    single = tokenize_rate(paths, args.sample_mb, 1, threads=False)
-    threaded = tokenize_rate(paths, args.sample_mb, 1)
-    two = tokenize_rate(paths, args.sample_mb, 2, threads=False)
+    sample, sample_bytes = sample_file(paths, args.sample_mb, os.path.join(args.out, "sample.jsonl"))
+    single = tokenize_rate(sample, sample_bytes, 1, threads=False)
+    threaded = tokenize_rate(sample, sample_bytes, 1)
+    two = tokenize_rate(sample, sample_bytes, 2, threads=False)
     os.environ.pop("TOKENIZERS_PARALLELISM")
-    print(f"tokenize {args.sample_mb} MB: 1 process on 1 thread {single:.2f} MB/s; 1 process with the tokenizer's "
-          f"own threads {threaded:.2f} MB/s ({threaded / single:.2f}x); 2 processes {two:.2f} MB/s "
-          f"({two / single:.2f}x)")
+    print(f"tokenize {sample_bytes / 1e6:.0f} MB: the stages' path on 1 thread {single:.2f} MB/s; with the "
+          f"tokenizer's own threads (what the stages do) {threaded:.2f} MB/s ({threaded / single:.2f}x); "
+          f"datasets.map with 2 processes {two:.2f} MB/s ({two / single:.2f}x)")
 
     first = pretrain_run(paths, os.path.join(args.out, "run1"), "first", env)
     second = pretrain_run(paths, os.path.join(args.out, "run2"), "second", env)
@@ -152,11 +171,13 @@ def main():
                         "demo", env)
     print("| run | wall (s) | first step logged at (s) | peak resident memory (MB) |")
     print("|---|---|---|---|")
-    for name, r in (("1 GB corpus, cold cache", first), ("1 GB corpus, second run", second),
+    big = f"{size / 1e9:.2f} GB corpus"
+    for name, r in ((f"{big}, cold cache", first), (f"{big}, second run", second),
                     ("demo corpus (warm cache)", demo)):
         step = f"{r['first_step_s']:.1f}" if r["first_step_s"] is not None else "—"
         print(f"| {name} | {r['wall_s']:.1f} | {step} | {r['peak_rss_mb']:.0f} |")
-    print(f"memory, second run on the big corpus / the demo corpus: {second['peak_rss_mb'] / demo['peak_rss_mb']:.2f}")
+    print(f"peak memory on the big corpus / on the demo corpus: cold run {first['peak_rss_mb'] / demo['peak_rss_mb']:.2f}, "
+          f"second run {second['peak_rss_mb'] / demo['peak_rss_mb']:.2f}")
     if not args.keep:
         shutil.rmtree(args.out, ignore_errors=True)
 

@@ -89,6 +89,20 @@ def test_greedy_sft_uses_chat_template_and_raw_turns_it_off(capsys, ckpts, polic
     assert chat_out != raw_out
 
 
+def test_system_text_goes_before_the_prompt(capsys, ckpts, policy, tokenizer):
+    """--system lays out [CLS] system [SEP] prompt [ANS] (by hand, from the tokens), the layout 1-SFT.py --system
+    trains on; a plain-continuation checkpoint refuses it."""
+    from chinese_tokenizer import ANSWER_ID, CLS_ID, SEP_ID
+
+    ids = [CLS_ID] + encode("你是诗人", tokenizer) + [SEP_ID] + encode(PROMPT, tokenizer) + [ANSWER_ID]
+    assert gen.prompt_to_ids(PROMPT, tokenizer, True, CONTEXT, system="你是诗人") == ids
+    _, out, _ = cli(capsys, "--checkpoint", ckpts["sft"], "--prompt", PROMPT, "--system", "你是诗人",
+                    "--temperature", 0, "--max_new_tokens", 8)
+    assert out == decode(greedy(policy, ids, 8), tokenizer) + "\n"
+    code, out, err = cli(capsys, "--checkpoint", ckpts["pretrain"], "--prompt", PROMPT, "--system", "你是诗人")
+    assert code == 2 and "--system is for chat checkpoints" in err and out == ""
+
+
 def test_dtype_bf16_generates_with_bf16_weights(capsys, ckpts, policy, tokenizer):
     """--dtype bf16 casts the weights: the answer is what generate gives with a bf16 copy of the model (and the
     default is fp32, the cache-less reference above)."""

@@ -60,6 +60,31 @@ def grpo_args(models, out, prompts, *extra):
 
 
 @pytest.mark.slow
+def test_prompts_as_alpaca_or_messages_records_train_the_same_policy(tmp_path, tiny_policy_and_rm, prompts):
+    """The same prompts as alpaca records and as whole "messages" conversations (whose last, assistant, turn is
+    dropped) give the byte-identical GRPO policy; multi-turn prompts run through the same template."""
+    rows = [json.loads(line) for line in prompts.read_text(encoding="utf-8").splitlines()]
+    alpaca, messages, multi = tmp_path / "alpaca.jsonl", tmp_path / "messages.json", tmp_path / "multi.jsonl"
+    alpaca.write_text("".join(json.dumps({"instruction": r["prompt"], "input": "", "output": "x"},
+                                         ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    messages.write_text(json.dumps([{"messages": [{"role": "user", "content": r["prompt"]},
+                                                  {"role": "assistant", "content": "好"}]} for r in rows],
+                                   ensure_ascii=False), encoding="utf-8")
+    multi.write_text("".join(json.dumps({"messages": [{"role": "user", "content": "你好"},
+                                                      {"role": "assistant", "content": "你好！"},
+                                                      {"role": "user", "content": r["prompt"]}]},
+                                        ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    models = {}
+    for name, path in (("ours", prompts), ("alpaca", alpaca), ("messages", messages), ("multi", multi)):
+        out = tmp_path / name
+        assert GRPO.main(grpo_args(tiny_policy_and_rm, out, path, "--max_steps", "2")) == 0
+        models[name] = (out / "model.safetensors").read_bytes()
+    assert models["alpaca"] == models["ours"] and models["messages"] == models["ours"]
+    assert models["multi"] != models["ours"]  # the earlier turns are in the prompt
+    assert "… 写一条好评：" in (tmp_path / "multi" / "samples.md").read_text(encoding="utf-8")
+
+
+@pytest.mark.slow
 def test_grpo_end_to_end_and_exact_resume(tmp_path, tiny_policy_and_rm, prompts):
     straight, halves = tmp_path / "straight", tmp_path / "halves"
     assert GRPO.main(grpo_args(tiny_policy_and_rm, straight, prompts)) == 0

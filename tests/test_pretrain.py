@@ -76,12 +76,12 @@ def test_packing_starts_each_document_with_the_models_bos(tokenizer, tmp_path):
 
 def test_txt_documents_are_split_on_blank_lines(tmp_path):
     (tmp_path / "a.txt").write_text("第一段\n第二行\n\n\n第二篇\r\n", encoding="utf-8")
-    docs = load_text_documents([str(tmp_path / "a.txt")], "test")["text"]
+    docs = list(load_text_documents([str(tmp_path / "a.txt")], "test"))
     assert docs == ["第一段\n第二行", "第二篇"]
 
 
 def test_tokens_are_cached_on_disk_and_read_lazily(tokenizer, tmp_path, monkeypatch):
-    """The first PackedBlocks tokenizes into a .npy file in the datasets cache; the next one for the same files
+    """The first PackedBlocks tokenizes into a uint16 file in the datasets cache; the next one for the same files
     memory-maps it without tokenizing; an edited file is read and tokenized again."""
     import datasets
     import numpy as np
@@ -92,7 +92,7 @@ def test_tokens_are_cached_on_disk_and_read_lazily(tokenizer, tmp_path, monkeypa
     path = tmp_path / "docs.jsonl"
     path.write_text('{"text": "你好"}\n{"text": "世界和平"}\n', encoding="utf-8")
     first = PackedBlocks(load_text_documents([str(path)], "test"), tokenizer, block_len=3)
-    assert isinstance(first.tokens, np.memmap) and first.tokens.dtype == np.int32
+    assert isinstance(first.tokens, np.memmap) and first.tokens.dtype == np.uint16  # 21128 ids fit in 16 bits
     assert str(tmp_path / "cache") in first.tokens.filename
 
     def no_tokenizing(*args, **kwargs):
@@ -108,6 +108,88 @@ def test_tokens_are_cached_on_disk_and_read_lazily(tokenizer, tmp_path, monkeypa
             PackedBlocks(load_text_documents([str(path)], "test"), tokenizer, block_len=3)
     edited = PackedBlocks(load_text_documents([str(path)], "test"), tokenizer, block_len=3)
     assert edited.tokens.tolist() == first.tokens.tolist() + tokenizer.convert_tokens_to_ids(list("再见")) + [102]
+
+
+def test_parquet_jsonl_fields_and_datasets_give_the_same_tokens(tokenizer, tmp_path, monkeypatch):
+    """The same three documents as .jsonl with another field, as .parquet, as a folder saved by datasets, and as
+    a dataset folder laid out as on the Hub (split files under data/, rows chosen by slicing), all tokenize to what the {"text"} .jsonl
+    gives; a missing field or column is a one-line error that names it and --text_field."""
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from cli import UserError
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    texts = ["你好", "世界和平", "再见"]
+    (tmp_path / "text.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts), encoding="utf-8")
+    (tmp_path / "content.jsonl").write_text("".join(json.dumps({"content": t, "id": i}) + "\n"
+                                                   for i, t in enumerate(texts)), encoding="utf-8")
+    pq.write_table(pa.table({"id": [0, 1, 2], "content": texts}), tmp_path / "docs.parquet")
+    datasets.Dataset.from_dict({"content": texts}).save_to_disk(str(tmp_path / "saved"))
+    (tmp_path / "hub" / "data").mkdir(parents=True)
+    pq.write_table(pa.table({"content": texts}), tmp_path / "hub" / "data" / "validation-00000-of-00001.parquet")
+    pq.write_table(pa.table({"content": ["别的", "另外"]}), tmp_path / "hub" / "data" / "train-00000-of-00001.parquet")
+
+    def tokens(pattern, field="content"):
+        return PackedBlocks(load_text_documents([str(pattern)], "--train_files", field), tokenizer, 3).tokens.tolist()
+
+    expected = []
+    for text in texts:
+        expected += tokenizer.convert_tokens_to_ids(list(text)) + [102]
+    assert tokens(tmp_path / "text.jsonl", "text") == expected
+    assert tokens(tmp_path / "content.jsonl") == expected
+    assert tokens(tmp_path / "docs.parquet") == expected
+    assert tokens(tmp_path / "saved") == expected
+    assert tokens(f"{tmp_path / 'hub'}:validation") == expected
+    assert list(load_text_documents([str(tmp_path / "hub")], "x", "content")) == ["别的", "另外"]  # split: train
+    assert list(load_text_documents([f"{tmp_path / 'hub'}:train[50%:]"], "x", "content")) == ["另外"]  # rows
+    for pattern, field, needle in ((tmp_path / "text.jsonl", "content", "line 1: field 'content' is missing"),
+                                   (tmp_path / "docs.parquet", "body", "no column 'body' (its columns: id, content)"),
+                                   (tmp_path / "saved", "body", "no column 'body' (its columns: content)")):
+        with pytest.raises(UserError) as info:
+            tokens(pattern, field)
+        message = str(info.value)
+        assert needle in message and str(pattern) in message and "\n" not in message, message
+    with pytest.raises(UserError, match="--text_field"):
+        tokens(tmp_path / "docs.parquet", "text")
+
+
+def test_a_hub_name_that_cannot_be_loaded_is_one_line_and_a_mistyped_path_stays_a_path(tmp_path, monkeypatch):
+    """Offline, an unknown Hub name fails at once with one line naming the argument and the accepted forms; a
+    mistyped local path (its folder exists) is not sent to the Hub."""
+    import datasets
+    import huggingface_hub
+
+    from cli import UserError
+
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(UserError) as info:
+        load_text_documents(["nobody-here/no-such-corpus:train"], "--train_files")
+    message = str(info.value)
+    assert message.startswith("--train_files: nobody-here/no-such-corpus:train") and "NAME:CONFIG:SPLIT" in message
+    assert "\n" not in message
+    (tmp_path / "data").mkdir()
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UserError, match="no file matches data/pretrian"):
+        load_text_documents(["data/pretrian"], "--train_files")
+
+
+def test_a_bad_record_leaves_no_token_file_behind(tokenizer, tmp_path, monkeypatch):
+    """Tokenizing stops at the first bad line with its number, and the cache holds nothing afterwards (no partial
+    token file that a later run could take for a whole one)."""
+    import datasets
+
+    from cli import UserError
+
+    cache = tmp_path / "cache"
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(cache))
+    path = tmp_path / "docs.jsonl"
+    path.write_text('{"text": "你好"}\n{"text": "世界"}\n{"txt": "坏"}\n', encoding="utf-8")
+    with pytest.raises(UserError, match="docs.jsonl line 3: field 'text' is missing"):
+        PackedBlocks(load_text_documents([str(path)], "--train_files"), tokenizer, 2)
+    assert not any(p.is_file() for p in cache.rglob("*"))
 
 
 def pretrain(out, corpus, *extra):

@@ -239,7 +239,7 @@ def test_bad_jsonl_lines_name_the_file_and_line(tmp_path, content, message):
         if content:
             read_jsonl(str(path), ("prompt", "response"))
         else:
-            load_text_documents([str(path)], "--train_files")
+            list(load_text_documents([str(path)], "--train_files"))  # read as it is iterated
     assert message in str(info.value) and "pairs.jsonl" in str(info.value)
     assert "\n" not in str(info.value)
 
@@ -247,7 +247,7 @@ def test_bad_jsonl_lines_name_the_file_and_line(tmp_path, content, message):
 def test_non_utf8_text_file(tmp_path):
     (tmp_path / "gbk.txt").write_bytes("中文".encode("gbk"))
     with pytest.raises(UserError, match="gbk.txt is not UTF-8"):
-        load_text_documents([str(tmp_path / "gbk.txt")], "--train_files")
+        list(load_text_documents([str(tmp_path / "gbk.txt")], "--train_files"))
 
 
 # --- bad command lines: one line, exit 2, nothing written ---------------------------------------------------------

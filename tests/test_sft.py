@@ -177,6 +177,69 @@ def test_alpaca_messages_and_our_pairs_read_alike(tmp_path, tokenizer):
     assert sum(label != -100 for label in pairs[3][1]) == len(ct.encode("你好！", tokenizer)) + 1 + 2 + 1
 
 
+def test_system_flag_opens_conversations_without_their_own(tmp_path):
+    """read_chat_pairs(..., system) (1-SFT.py --system) puts the text first in every conversation with no system
+    message; a record with its own keeps it."""
+    from corpus import read_chat_pairs
+
+    path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "你好", "response": "嗯"},
+                                              {"prompt": "再见", "response": "好", "system": "你是诗人"}])
+    rows = read_chat_pairs(path, "--train_files", "你是助手")
+    assert [r["messages"] for r in rows] == [[("system", "你是助手"), ("user", "你好"), ("assistant", "嗯")],
+                                              [("system", "你是诗人"), ("user", "再见"), ("assistant", "好")]]
+    assert read_chat_pairs(path, "--train_files")[0]["messages"] == [("user", "你好"), ("assistant", "嗯")]
+
+
+def test_prompt_records_of_the_alignment_stages(tmp_path, tokenizer):
+    """PPO/GRPO prompts (corpus.prompt_of): ours, alpaca and messages records; one user turn stays the plain
+    string (so the layout is the old one), a conversation becomes turns laid out by chat_messages_ids; a record
+    that does not end with a user turn is a one-line error naming its line."""
+    from chinese_tokenizer import ANSWER_ID, CLS_ID, SEP_ID, chat_prompt_ids
+    from cli import UserError
+    from corpus import read_prompt_files
+
+    path = write_jsonl(tmp_path / "p.jsonl", [
+        {"prompt": "写诗"}, {"instruction": "翻译", "input": "你好", "output": "hi"},
+        {"messages": [{"role": "user", "content": "写诗"}, {"role": "assistant", "content": "好"}]},
+        {"messages": [{"role": "user", "content": "你好"}, {"role": "assistant", "content": "嗯"},
+                      {"role": "user", "content": "写诗"}]},
+        {"prompt": "写诗", "system": "你是诗人"}])
+    prompts = read_prompt_files(str(path), "--prompts_file")
+    assert prompts == ["写诗", "翻译\n你好", "写诗", (("user", "你好"), ("assistant", "嗯"), ("user", "写诗")),
+                       (("system", "你是诗人"), ("user", "写诗"))]
+    e = lambda text: ct.encode(text, tokenizer)  # noqa: E731
+    assert chat_prompt_ids(prompts[3], tokenizer) == [CLS_ID] + e("你好") + [ANSWER_ID] + e("嗯") + [SEP_ID] + \
+        e("写诗") + [ANSWER_ID]
+    assert chat_prompt_ids(prompts[4], tokenizer) == [CLS_ID] + e("你是诗人") + [SEP_ID] + e("写诗") + [ANSWER_ID]
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{"prompt": "x"}, {"messages": [{"role": "assistant",
+                                                                               "content": "y"}]}])
+    with pytest.raises(UserError, match="bad.jsonl line 2: "):
+        read_prompt_files(str(bad), "--prompts_file")
+
+
+def test_parquet_conversations_read_as_their_json_lines(tmp_path):
+    """The Hub publishes data sets as parquet: the same alpaca and messages records as .parquet read exactly as
+    from .jsonl, and a bad row is named by its row number."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from cli import UserError
+    from corpus import read_chat_pairs
+
+    records = {"alpaca": [{"instruction": "翻译：", "input": "你好", "output": "hello"},
+                          {"instruction": "写一句诗", "input": "", "output": "床前明月光"}],
+               "messages": [{"messages": [{"role": "user", "content": "你好"}, {"role": "assistant", "content": "嗯"},
+                                          {"role": "user", "content": "再见"}, {"role": "assistant", "content": "好"}]}]}
+    for name, rows in records.items():
+        pq.write_table(pa.Table.from_pylist(rows), tmp_path / f"{name}.parquet")
+        assert read_chat_pairs(str(tmp_path / f"{name}.parquet"), "--train_files") == \
+            read_chat_pairs(write_jsonl(tmp_path / f"{name}.jsonl", rows), "--train_files")
+    pq.write_table(pa.Table.from_pylist([{"instruction": "a", "output": "b"}, {"instruction": "c", "output": ""}]),
+                   tmp_path / "bad.parquet")
+    with pytest.raises(UserError, match="bad.parquet row 2: field 'output'"):
+        read_chat_pairs(str(tmp_path / "bad.parquet"), "--train_files")
+
+
 @pytest.mark.parametrize("name, content, words", [
     ("a.jsonl", '{"instruction": "写诗", "input": ""}\n', "a.jsonl line 1: field 'output' is missing"),
     ("b.jsonl", '{"prompt": "x", "response": "y"}\n\n{"prompt": "x"}\n', "b.jsonl line 3: field 'response'"),
