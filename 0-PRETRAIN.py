@@ -96,10 +96,13 @@ def main(argv=None):
     # --- data: documents -> tokens -> blocks of block_len next-token predictions ---------------------------------
     with accelerator.main_process_first():  # the first process fills the datasets cache, the others reuse it
         # documents start as the model's did in training: with [CLS] for uer's weights, with nothing for ours
-        train = PackedBlocks(load_text_documents(args.train_files, "--train_files", args.text_field), tokenizer,
-                             block_len, "train", model.cfg.bos_id)
-        val = PackedBlocks(load_text_documents(args.val_files, "--val_files", args.text_field), tokenizer,
-                           block_len, "val", model.cfg.bos_id)
+        train_documents = load_text_documents(args.train_files, "--train_files", args.text_field)
+        val_documents = load_text_documents(args.val_files, "--val_files", args.text_field)
+        train = PackedBlocks(train_documents, tokenizer, block_len, "train", model.cfg.bos_id)
+        val = PackedBlocks(val_documents, tokenizer, block_len, "val", model.cfg.bos_id)
+    for path in sorted(set(train_documents.files) & set(val_documents.files)):  # e.g. a folder given as training
+        accelerator.print(f"warning: {path} is in both --train_files and --val_files, so the validation loss "
+                          f"also measures text the model trains on; give the two sets apart")
     eval_blocks = spread_subset(len(val), args.eval_examples)  # a fixed subset keeps each evaluation short
     schedule = BatchSchedule(len(train), args.batch_size, args.gradient_accumulation_steps,
                              accelerator.num_processes, args.seed)

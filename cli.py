@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import sys
+import threading
 
 from gpt_model import PRESETS
 
@@ -19,12 +21,27 @@ class UserError(Exception):
 
 
 def run(main, argv=None) -> None:
-    """Call ``main(argv)``; turn a ``UserError`` into one line on stderr and exit code 2."""
+    """Call ``main(argv)``; turn a ``UserError`` into one line on stderr and exit code 2, and Ctrl-C or SIGTERM
+    outside a training loop (which saves a resumable state instead, ``training.StopSignal``) into one line and
+    128 + the signal's number, after the ``finally`` blocks on the way have cleaned up (e.g. a half-written
+    token file)."""
+    def stop(signum, frame):
+        raise KeyboardInterrupt(signum)
+
+    main_thread = threading.current_thread() is threading.main_thread()  # only it may set signal handlers
+    old = signal.signal(signal.SIGTERM, stop) if main_thread else None
     try:
         code = main(argv)
     except UserError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except KeyboardInterrupt as e:
+        signum = e.args[0] if e.args and isinstance(e.args[0], int) else signal.SIGINT
+        print(f"stopped by {signal.Signals(signum).name}", file=sys.stderr)
+        sys.exit(128 + signum)
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, old)
     sys.exit(code or 0)
 
 

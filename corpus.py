@@ -38,7 +38,7 @@ DATA_SUFFIXES = (".jsonl", ".json", ".txt", ".parquet")
 
 def expand_files(patterns, what: str) -> list[str]:
     """Glob patterns or directories (a string or a list) -> sorted file paths; a directory stands for its
-    ``.jsonl``/``.json``/``.txt`` files. Raises ``UserError`` when nothing matches."""
+    ``DATA_SUFFIXES`` files (.jsonl, .json, .txt, .parquet). Raises ``UserError`` when nothing matches."""
     if isinstance(patterns, str):
         patterns = [patterns]
     files = []
@@ -92,6 +92,14 @@ def read_records(path: str) -> list[tuple[str, object]]:
             except ValueError as e:
                 raise UserError(f"{path} is not valid JSON ({e.msg} at line {e.lineno}); fix the file") from e
             return [(f"{path} item {i}", item) for i, item in enumerate(items, start=1)]
+        if len(text.strip().splitlines()) > 1:  # one object over several lines is no list of records
+            try:
+                whole = json.loads(text)
+            except ValueError:
+                whole = None
+            if isinstance(whole, dict):
+                raise UserError(f"{path} holds one JSON object (keys: {', '.join(list(whole)[:5])}), not records; "
+                                f"give an array of records or one record per line (JSON lines)")
     return list(_jsonl_stream(path))
 
 
@@ -144,8 +152,8 @@ def chat_format(row) -> str:
 
 
 def conversation_of(where: str, row, fmt: str) -> list[tuple[str, str]]:
-    """One record of format ``fmt`` -> its conversation as ``(role, content)`` pairs (a ``"system"`` field of a
-    prompt/response or alpaca record becomes the system message). Raises ``UserError`` naming ``where`` and what
+    """One record of format ``fmt`` -> its conversation as ``(role, content)`` pairs (a ``"system"`` field becomes
+    the system message, unless the messages start with their own). Raises ``UserError`` naming ``where`` and what
     is wrong (a missing field, a bad message, turns out of order)."""
     if fmt == "prompt/response":
         check_fields(where, row, ("prompt", "response"), ("system",))
@@ -155,16 +163,8 @@ def conversation_of(where: str, row, fmt: str) -> list[tuple[str, str]]:
         user = row["instruction"] + ("\n" + row["input"] if row.get("input", "").strip() else "")
         turns = [("user", user), ("assistant", row["output"])]
     else:
-        messages = row.get("messages") if isinstance(row, dict) else None
-        if not isinstance(messages, list) or not messages:
-            raise UserError(f"{where}: field 'messages' must be a non-empty list of {{\"role\", \"content\"}}")
-        turns = []
-        for i, m in enumerate(messages, start=1):
-            if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
-                raise UserError(f"{where}: message {i} must be an object with string 'role' and 'content'")
-            turns.append((m["role"], m["content"]))
-    if fmt != "messages" and row.get("system", "").strip():
-        turns.insert(0, ("system", row["system"]))
+        turns = turns_of(where, "messages", row.get("messages") if isinstance(row, dict) else None)
+    _add_system(where, row, turns)
     try:
         split_conversation(turns, last="assistant")
     except ValueError as e:
@@ -200,13 +200,27 @@ def read_chat_pairs(patterns, what: str, system: str | None = None) -> list[dict
 
 def turns_of(where: str, field: str, messages) -> list[tuple[str, str]]:
     """A JSON list of ``{"role", "content"}`` messages -> ``(role, content)`` pairs; ``UserError`` naming ``where``
-    and ``field`` when it is not one."""
+    and ``field`` when it is not one, or a message's content is empty."""
     if not isinstance(messages, list) or not messages:
-        raise UserError(f"{where}: field '{field}' must be a string or a non-empty list of {{\"role\", \"content\"}}")
+        string = "a string or " if field != "messages" else ""  # prompt, chosen and rejected may be strings
+        raise UserError(f"{where}: field '{field}' must be {string}a non-empty list of {{\"role\", \"content\"}} "
+                        f"messages")
     for i, m in enumerate(messages, start=1):
         if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
             raise UserError(f"{where}: {field} message {i} must be an object with string 'role' and 'content'")
+        if not m["content"].strip():
+            raise UserError(f"{where}: {field} message {i} ({m['role']}) has empty content; fill it or drop the "
+                            f"record")
     return [(m["role"], m["content"]) for m in messages]
+
+
+def _add_system(where: str, row, turns: list) -> None:
+    """A record's ``"system"`` field opens ``turns`` (in place), unless they already start with a system message."""
+    system = row.get("system") if isinstance(row, dict) else None
+    if system is not None and not isinstance(system, str):
+        raise UserError(f"{where}: field 'system' must be a string, got {type(system).__name__}")
+    if system and system.strip() and (not turns or turns[0][0] != "system"):
+        turns.insert(0, ("system", system))
 
 
 def preference_of(where: str, row) -> tuple:
@@ -268,7 +282,7 @@ def prompt_of(where: str, row):
     dropped (the policy writes its own). A ``"system"`` field opens the conversation. Raises ``UserError`` naming
     ``where`` and the problem.
     """
-    if isinstance(row, dict) and isinstance(row.get("prompt"), str) and not row.get("system", "").strip():
+    if isinstance(row, dict) and isinstance(row.get("prompt"), str) and not row.get("system"):
         check_fields(where, row, ("prompt",))
         return row["prompt"]
     fmt = chat_format(row)
@@ -284,8 +298,7 @@ def prompt_of(where: str, row):
     else:
         check_fields(where, row, ("prompt",), ("system",))
         turns = [("user", row["prompt"])]
-    if fmt != "messages" and row.get("system", "").strip():
-        turns.insert(0, ("system", row["system"]))
+    _add_system(where, row, turns)
     try:
         split_conversation(turns, last="user")
     except ValueError as e:
@@ -337,6 +350,9 @@ def _file_documents(path: str, text_field: str, progress):
         # a .json file may be one array (read whole: such files are small); .jsonl is read line by line
         records = read_records(path) if path.endswith(".json") else _jsonl_stream(path, progress)
         for where, row in records:
+            if isinstance(row, dict) and text_field not in row:
+                raise UserError(f"{where}: field '{text_field}' is missing (its fields: {', '.join(list(row)[:8])}); "
+                                f"pass --text_field with the field that holds the text")
             check_fields(where, row, (text_field,))
             found = True
             yield normalize_text(row[text_field])
@@ -381,21 +397,24 @@ def _text_stream(path: str, progress=None):
     """The lines of a UTF-8 text file without their line ends, read lazily (``UserError`` if not UTF-8);
     ``progress(n)``, if given, is told of each n bytes read."""
     try:
-        with open(path, encoding="utf-8", newline=None) as f:  # universal newlines: CRLF and CR become "\n"
-            told = 0
+        f = open(path, encoding="utf-8", newline=None)  # universal newlines: CRLF and CR become "\n"
+    except FileNotFoundError as e:
+        raise UserError(f"{path} not found; fix the path (the default data files come from "
+                        f"`python data/prepare.py`)") from e
+    with f:
+        told = 0
+        try:
             for number, line in enumerate(f, start=1):
                 if progress is not None and number % 4096 == 0:
                     position = f.buffer.tell()  # the bytes read so far, in the reader's 8 KB steps
                     progress(position - told)
                     told = position
                 yield line.rstrip("\n")
-            if progress is not None:
-                progress(os.fstat(f.fileno()).st_size - told)
-    except FileNotFoundError as e:
-        raise UserError(f"{path} not found; fix the path (the default data files come from "
-                        f"`python data/prepare.py`)") from e
-    except UnicodeDecodeError as e:
-        raise UserError(f"{path} is not UTF-8 text (bad byte at offset {e.start}); convert it to UTF-8") from e
+        except UnicodeDecodeError as e:  # e.start counts within the chunk being decoded, which ends at tell()
+            offset = f.buffer.tell() - len(e.object) + e.start
+            raise UserError(f"{path} is not UTF-8 text (bad byte at offset {offset}); convert it to UTF-8") from e
+        if progress is not None:
+            progress(os.fstat(f.fileno()).st_size - told)
 
 
 def _jsonl_stream(path: str, progress=None):
@@ -406,24 +425,32 @@ def _jsonl_stream(path: str, progress=None):
         try:
             yield f"{path} line {number}", json.loads(line)
         except ValueError as e:
-            raise UserError(f"{path} line {number} is not valid JSON ({e.msg}); fix or remove that line") from e
+            raise UserError(f"{path} line {number} is not valid JSON ({e.msg} at column {e.colno}); fix or remove "
+                            f"that line") from e
+
+
+DATASET_FILES = {"state.json", "dataset_dict.json", "dataset_info.json", "dataset_infos.json"}  # datasets' own
+
+
+def _dataset_folder(path: str) -> bool:
+    """Whether the folder ``path`` is a ``datasets`` dataset, not a folder of data files: one written by
+    ``save_to_disk`` (``state.json`` / ``dataset_dict.json``), a dataset repository cloned from the Hub (its files
+    under ``data/``, or ``datasets``' metadata files), or a folder with no data file directly in it."""
+    names = set(os.listdir(path))
+    return bool(DATASET_FILES & names) or os.path.isdir(os.path.join(path, "data")) or not any(
+        n.endswith(DATA_SUFFIXES) and not n.startswith(".") for n in names)
 
 
 def _dataset_spec(pattern: str):
-    """``(name, config, split)`` when ``pattern`` stands for a ``datasets`` dataset rather than data files: a folder
-    written by ``Dataset.save_to_disk``, a folder with no data file directly in it (a dataset repository cloned
-    from the Hub, its files under ``data/``), or a name that is no local path, ``NAME[:CONFIG]:SPLIT`` (e.g.
-    ``wikimedia/wikipedia:20231101.zh:train``) whose first part is no local folder. None for files, folders of files,
-    globs and mistyped local paths."""
+    """``(name, config, split)`` when ``pattern`` stands for a ``datasets`` dataset rather than data files: a
+    dataset folder (``_dataset_folder``), or a name that is no local path, ``NAME[:CONFIG]:SPLIT`` (e.g.
+    ``wikimedia/wikipedia:20231101.zh:train[:1%]``) whose first part is no local folder. None for files, folders of
+    files, globs and mistyped local paths."""
     base, bracket, rows = pattern.partition("[")  # a split may select rows: train[:1%] (its colon is no separator)
     if glob.has_magic(base) or (bracket and ":" not in base):  # a glob, not a dataset
         return None
     if os.path.isdir(pattern):
-        names = os.listdir(pattern)
-        saved = {"state.json", "dataset_dict.json"} & set(names)
-        if saved or not any(n.endswith(DATA_SUFFIXES) and not n.startswith(".") for n in names):
-            return pattern, None, None
-        return None
+        return (pattern, None, None) if _dataset_folder(pattern) else None
     if os.path.exists(pattern):
         return None
     name, *rest = base.split(":")
@@ -436,6 +463,23 @@ def _dataset_spec(pattern: str):
     return name, config or None, split or None
 
 
+def _saved_split(ds, name: str, split: str | None, what: str):
+    """The split ``split`` (``train`` when None; row slices like ``train[:90%]`` too) of a dataset written by
+    ``save_to_disk``: a ``DatasetDict``'s split, or a single ``Dataset``, which is its only split, ``train``."""
+    import datasets
+
+    splits = ds if isinstance(ds, datasets.DatasetDict) else {"train": ds}
+    try:
+        wanted = datasets.ReadInstruction.from_spec(split or "train").to_absolute(
+            {key: len(value) for key, value in splits.items()})
+    except (ValueError, KeyError, AssertionError) as e:
+        one = "" if isinstance(ds, datasets.DatasetDict) else "a single dataset, whose only split is train; "
+        raise UserError(f"{what}: {name} has no split '{split}' ({one}its splits: {', '.join(splits)}); write "
+                        f"{name}:SPLIT, e.g. {name}:train[:90%]") from e
+    return datasets.concatenate_datasets([splits[part.splitname].select(range(part.from_, part.to))
+                                          for part in wanted])
+
+
 def _load_dataset(spec, pattern: str, what: str, text_field: str):
     """The ``datasets.Dataset`` that ``_dataset_spec`` found in ``pattern`` (the Hub's are downloaded once into the
     ``datasets`` cache). Raises ``UserError`` when ``datasets`` cannot load it or it has no ``text_field``."""
@@ -444,12 +488,7 @@ def _load_dataset(spec, pattern: str, what: str, text_field: str):
     name, config, split = spec
     try:
         if os.path.isdir(name) and {"state.json", "dataset_dict.json"} & set(os.listdir(name)):
-            ds = datasets.load_from_disk(name)
-            if isinstance(ds, datasets.DatasetDict):
-                if (split or "train") not in ds:
-                    raise UserError(f"{what}: {name} has no split '{split or 'train'}' (its splits: "
-                                    f"{', '.join(ds)}); write {name}:SPLIT")
-                ds = ds[split or "train"]
+            ds = _saved_split(datasets.load_from_disk(name), name, split, what)
         else:
             ds = datasets.load_dataset(name, config, split=split or "train")
     except UserError:
@@ -472,25 +511,31 @@ class TextDocuments:
 
     Nothing is read until the documents are iterated: ``iter(documents)`` yields each document's text.
     ``documents.key`` identifies the content: the files' paths, sizes and modification times, and the datasets'
-    fingerprints (so an edited file gives a new key); ``documents.num_bytes`` is the input's size, for progress.
+    fingerprints (so an edited file gives a new key); ``documents.num_bytes`` is the input's size, for progress;
+    ``documents.files`` the data files' real paths.
 
     Raises ``UserError`` (here) for a pattern that matches nothing, an empty file or a dataset that does not load,
     and (while iterating) for bad UTF-8, bad JSON or a record without its text, naming the file and line.
     """
 
     def __init__(self, patterns, what: str, text_field: str = "text"):
-        self.what, self.text_field, self.parts = what, text_field, []
+        self.what, self.text_field, self.parts = what, text_field, []  # parts: file paths and (pattern, Dataset)
         for pattern in [patterns] if isinstance(patterns, str) else patterns:
             spec = _dataset_spec(pattern)
             if spec is not None:
-                self.parts.append(_load_dataset(spec, pattern, what, text_field))
-            else:
-                self.parts += [os.path.realpath(path) for path in expand_files(pattern, what)]
-        self.num_bytes = sum(os.path.getsize(p) if isinstance(p, str) else p.data.nbytes for p in self.parts)
+                self.parts.append((pattern, _load_dataset(spec, pattern, what, text_field)))
+                continue
+            for match in (sorted(glob.glob(pattern)) or [pattern]) if glob.has_magic(pattern) else [pattern]:
+                if os.path.isdir(match) and _dataset_folder(match):  # a glob over dataset folders
+                    self.parts.append((match, _load_dataset((match, None, None), match, what, text_field)))
+                else:
+                    self.parts += [os.path.realpath(path) for path in expand_files(match, what)]
+        self.files = [p for p in self.parts if isinstance(p, str)]
+        self.num_bytes = sum(os.path.getsize(p) if isinstance(p, str) else p[1].data.nbytes for p in self.parts)
 
     @property
     def key(self) -> str:
-        described = [(p, os.path.getsize(p), os.stat(p).st_mtime_ns) if isinstance(p, str) else p._fingerprint
+        described = [(p, os.path.getsize(p), os.stat(p).st_mtime_ns) if isinstance(p, str) else p[1]._fingerprint
                      for p in self.parts]
         return json.dumps([described, self.text_field], ensure_ascii=False)
 
@@ -503,15 +548,16 @@ class TextDocuments:
             if isinstance(part, str):
                 yield from _file_documents(part, self.text_field, progress)
                 continue
+            pattern, ds = part
             done = 0
-            for batch in part.select_columns([self.text_field]).iter(batch_size=1024):
+            for batch in ds.select_columns([self.text_field]).iter(batch_size=1024):
                 for text in batch[self.text_field]:
                     done += 1
                     if not isinstance(text, str) or not text.strip():
-                        raise UserError(f"{self.what}: row {done} of the dataset has no text in "
-                                        f"'{self.text_field}'; filter it out or pass another --text_field")
+                        raise UserError(f"{self.what}: {pattern} row {done} has no text in '{self.text_field}'; "
+                                        f"filter it out or pass another --text_field")
                     yield normalize_text(text)
-                progress(part.data.nbytes * len(batch[self.text_field]) // max(1, len(part)))
+                progress(ds.data.nbytes * len(batch[self.text_field]) // max(1, len(ds)))
 
 
 def load_text_documents(patterns, what: str, text_field: str = "text") -> TextDocuments:
@@ -548,6 +594,9 @@ def tokenize_to_file(documents: TextDocuments, tokenizer, path: str, bos_id: int
     start = [] if bos_id is None else [bos_id]
     dtype = np.dtype(np.uint16 if max(len(tokenizer), SEP_ID, bos_id or 0) < 2 ** 16 else np.int32)
     os.makedirs(os.path.dirname(path), exist_ok=True)
+    for stale in glob.glob(glob.escape(path) + ".*.tmp*"):  # left by a run that was killed (SIGKILL) while writing
+        if not _pid_alive(int(stale[len(path) + 1:].split(".")[0])):
+            os.remove(stale)
     tmp = f"{path}.{os.getpid()}.tmp"
     info = {"dtype": dtype.name, "tokens": 0, "documents": 0}
     try:
@@ -569,6 +618,16 @@ def tokenize_to_file(documents: TextDocuments, tokenizer, path: str, bos_id: int
             if os.path.exists(leftover):
                 os.remove(leftover)
     return info
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, someone else's
+        return True
+    return True
 
 
 class PackedBlocks:

@@ -364,7 +364,9 @@ def main(argv=None):
     device = pick_device(args.device)
     model, tokenizer, chat = load_policy(args)
     if args.system and not chat:
-        raise UserError("--system is for chat checkpoints (SFT/PPO/DPO/GRPO); drop it, or drop --raw")
+        raise UserError("--system and --raw do not go together: --raw continues the text as is; drop one" if args.raw
+                        else "--system is for chat checkpoints (SFT/PPO/DPO/GRPO), and this model only continues "
+                             "text (a pretrain checkpoint or --from_hf weights); drop --system")
     model.to(device=device, dtype=DTYPES[args.dtype])
     reward_model = load_reward(args.reward, model.cfg.vocab_size).to(device) if args.reward else None
     log(f"device {device}, {weight_dtype(model)} weights; {sum(p.numel() for p in model.parameters()):,} "

@@ -13,6 +13,7 @@ reward-hacking flag), and a table of the same prompts answered by every trained 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
@@ -21,6 +22,7 @@ import subprocess
 import sys
 import time
 
+import generate
 from chinese_tokenizer import load_tokenizer
 from cli import ArgumentParser, UserError, default_path, run
 from gpt_model import PRESETS
@@ -56,20 +58,40 @@ def parse_args(argv=None):
     return p.parse_args(argv)
 
 
-def step(number: int, total: int, title: str, command: list[str], started: float) -> float:
-    """Run one stage as a subprocess (its progress bars go straight to the terminal); returns its wall time."""
+def step(number: int, total: int, title: str, command: list[str], started: float, main=None) -> float:
+    """Run one stage as a subprocess (its progress bars go straight to the terminal); returns its wall time.
+
+    With ``main`` (the script's ``main``; ``command`` is then ``python SCRIPT ARGS...``) the script runs in this
+    process instead, on the same arguments: generate.py is run six times for the report, and a new process would
+    pay the start-up (importing torch and the rest, about 4 s) each time."""
     elapsed = time.time() - started
     print(f"\n=== [{number}/{total}] {title} (pipeline time so far {elapsed / 60:.1f} min) ===\n$ "
           f"{' '.join(shlex.quote(c) for c in command)}", flush=True)
     t0 = time.time()
-    try:
-        result = subprocess.run(command, cwd=ROOT)
-    except OSError as e:
-        raise UserError(f"cannot start {command[0]!r} ({e.strerror}); check --launch") from e
-    if result.returncode != 0:
-        raise UserError(f"{title} failed (exit code {result.returncode}); see its message above, fix it, then run "
+    if main is not None:
+        returncode = in_process(main, command[2:])
+    else:
+        try:
+            returncode = subprocess.run(command, cwd=ROOT).returncode
+        except OSError as e:
+            raise UserError(f"cannot start {command[0]!r} ({e.strerror}); check --launch") from e
+    if returncode != 0:
+        raise UserError(f"{title} failed (exit code {returncode}); see its message above, fix it, then run "
                         f"the pipeline again (add --overwrite to replace finished stages)")
     return time.time() - t0
+
+
+def in_process(main, argv: list[str]) -> int:
+    """``main(argv)``'s exit code as ``cli.run`` would give it, without leaving this process: a ``UserError`` is
+    printed as its one line and gives 2, argparse's exit its code. It runs in ``ROOT``, as a subprocess would."""
+    try:
+        with contextlib.chdir(ROOT):
+            return main(argv) or 0
+    except UserError as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else 1
 
 
 def read_json(path):
@@ -127,7 +149,7 @@ def main(argv=None):
             "--reward", CHECKPOINTS["rm"], "--num_samples", "1", "--max_new_tokens", "48",
             *[str(a) for key, value in REPORT_DECODING.items() for a in (f"--{key}", value)],
             "--overwrite"],  # the answers belong to this run's models: replace an earlier run's
-            started)
+            started, generate.main)
         answers[stage] = read_rows(out)
     times["generate"] = time.time() - t0
     t0 = time.time()
@@ -188,7 +210,8 @@ def run_best_of_n(args, py, total, started) -> dict | None:
         "generate.py", "--checkpoint", CHECKPOINTS["sft"], "--prompts_file", prompts_file,
         "--output", os.path.join(args.report_dir, f"answers-best-of-{n}.jsonl"), "--reward", CHECKPOINTS["rm"],
         "--num_samples", str(n), "--temperature", str(settings["temperature"]), "--top_k", "0",
-        "--max_new_tokens", str(settings["max_new_tokens"]), "--monitors", monitors, "--overwrite"], started)
+        "--max_new_tokens", str(settings["max_new_tokens"]), "--monitors", monitors, "--overwrite"], started,
+        generate.main)
     return read_json(monitors)
 
 

@@ -100,7 +100,9 @@ def test_system_text_goes_before_the_prompt(capsys, ckpts, policy, tokenizer):
                     "--temperature", 0, "--max_new_tokens", 8)
     assert out == decode(greedy(policy, ids, 8), tokenizer) + "\n"
     code, out, err = cli(capsys, "--checkpoint", ckpts["pretrain"], "--prompt", PROMPT, "--system", "你是诗人")
-    assert code == 2 and "--system is for chat checkpoints" in err and out == ""
+    assert code == 2 and "--system is for chat checkpoints" in err and "only continues text" in err and out == ""
+    code, out, err = cli(capsys, "--checkpoint", ckpts["sft"], "--raw", "--prompt", PROMPT, "--system", "你是诗人")
+    assert code == 2 and "--system and --raw do not go together" in err
 
 
 def test_dtype_bf16_generates_with_bf16_weights(capsys, ckpts, policy, tokenizer):

@@ -2,6 +2,7 @@
 sentences."""
 
 import math
+import os
 
 import pipeline
 
@@ -60,3 +61,26 @@ def test_aligned_summary_names_the_stage_and_dpo_pairs():
     assert cell == ("val implicit-reward accuracy 0.800; held-out RM score 0.500 (SFT) → 1.250, judge 0.600 → "
                     "0.750, KL 2.00 nats/response")
     assert pipeline.aligned_summary("grpo", {}, fmt).startswith("held-out RM score — (SFT) → —")
+
+
+def test_in_process_gives_the_exit_code_a_subprocess_would(capsys, tmp_path, monkeypatch):
+    """pipeline.in_process runs a script's main in ROOT and turns a UserError into its one line and exit code 2,
+    argparse's exit into its code; the caller's working directory is back afterwards."""
+    from cli import ArgumentParser, UserError
+
+    monkeypatch.chdir(tmp_path)
+    seen = []
+
+    def ok(argv):
+        seen.append((os.getcwd(), argv))
+
+    def refuses(argv):
+        raise UserError("--x is wrong; fix it")
+
+    def bad_flag(argv):
+        ArgumentParser().parse_args(argv)
+
+    assert pipeline.in_process(ok, ["--a"]) == 0 and seen == [(pipeline.ROOT, ["--a"])]
+    assert pipeline.in_process(refuses, []) == 2 and capsys.readouterr().err == "error: --x is wrong; fix it\n"
+    assert pipeline.in_process(bad_flag, ["--nope"]) == 2
+    assert os.getcwd() == str(tmp_path)

@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import run_script
+from cli import UserError
 from corpus import PackedBlocks, load_text_documents
 from gpt_model import GPTModel, get_preset
 from training import BatchSchedule, lr_at, make_optimizer
@@ -144,7 +145,8 @@ def test_parquet_jsonl_fields_and_datasets_give_the_same_tokens(tokenizer, tmp_p
     assert tokens(f"{tmp_path / 'hub'}:validation") == expected
     assert list(load_text_documents([str(tmp_path / "hub")], "x", "content")) == ["别的", "另外"]  # split: train
     assert list(load_text_documents([f"{tmp_path / 'hub'}:train[50%:]"], "x", "content")) == ["另外"]  # rows
-    for pattern, field, needle in ((tmp_path / "text.jsonl", "content", "line 1: field 'content' is missing"),
+    for pattern, field, needle in ((tmp_path / "text.jsonl", "content", "line 1: field 'content' is missing (its "
+                                                                         "fields: text); pass --text_field"),
                                    (tmp_path / "docs.parquet", "body", "no column 'body' (its columns: id, content)"),
                                    (tmp_path / "saved", "body", "no column 'body' (its columns: content)")):
         with pytest.raises(UserError) as info:
@@ -174,6 +176,84 @@ def test_a_hub_name_that_cannot_be_loaded_is_one_line_and_a_mistyped_path_stays_
     monkeypatch.chdir(tmp_path)
     with pytest.raises(UserError, match="no file matches data/pretrian"):
         load_text_documents(["data/pretrian"], "--train_files")
+
+
+def test_saved_datasets_take_splits_and_row_slices_and_hub_folders_keep_their_metadata(tmp_path, monkeypatch):
+    """A save_to_disk Dataset is split "train" (slices apply, another split is refused rather than ignored, so val
+    cannot silently equal train); a DatasetDict takes SPLIT[slice]; a glob over dataset folders loads each; a Hub
+    repository folder with a top-level dataset_infos.json is a dataset, not a folder of JSON files."""
+    import datasets
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from cli import UserError
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    datasets.Dataset.from_dict({"text": [str(i) for i in range(10)]}).save_to_disk(str(tmp_path / "ds_one"))
+    datasets.DatasetDict({"train": datasets.Dataset.from_dict({"text": ["甲", "乙", "丙", "丁"]}),
+                          "test": datasets.Dataset.from_dict({"text": ["戊"]})}).save_to_disk(str(tmp_path / "ds_dict"))
+    (tmp_path / "hub" / "data").mkdir(parents=True)
+    pq.write_table(pa.table({"text": ["己"]}), tmp_path / "hub" / "data" / "train-00000-of-00001.parquet")
+    (tmp_path / "hub" / "dataset_infos.json").write_text('{"default": {}}', encoding="utf-8")
+
+    def docs(pattern):
+        return list(load_text_documents([str(pattern)], "--train_files"))
+
+    head, tail = (load_text_documents([f"{tmp_path / 'ds_one'}:train[{s}]"], "x") for s in (":70%", "70%:"))
+    assert list(head) == [str(i) for i in range(7)] and list(tail) == ["7", "8", "9"] and head.key != tail.key
+    assert docs(f"{tmp_path / 'ds_dict'}:train[:50%]") == ["甲", "乙"] and docs(f"{tmp_path / 'ds_dict'}:test") == ["戊"]
+    assert docs(tmp_path / "ds_*") == ["甲", "乙", "丙", "丁"] + [str(i) for i in range(10)]
+    assert docs(tmp_path / "hub") == ["己"]
+    with pytest.raises(UserError, match="has no split 'test' \\(a single dataset, whose only split is train"):
+        docs(f"{tmp_path / 'ds_one'}:test")
+
+
+def test_a_late_bad_byte_is_named_by_its_offset_in_the_file(tmp_path):
+    path = tmp_path / "late.txt"
+    path.write_bytes("好".encode("utf-8") * 50000 + "\n中文".encode("gbk"))
+    with pytest.raises(UserError, match="bad byte at offset 150001"):
+        list(load_text_documents([str(path)], "--train_files"))
+
+
+def test_a_killed_runs_half_written_token_file_is_removed_and_sigterm_cleans_up(tokenizer, tmp_path):
+    """A .tmp left by a process that no longer exists goes before the next tokenizing (one of a live process
+    stays); SIGTERM while tokenizing ends 0-PRETRAIN with one line and exit 143, leaving no partial file."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import corpus
+    from conftest import REPO_ROOT
+
+    path = str(tmp_path / "t" / "abc.bin")
+    os.makedirs(os.path.dirname(path))
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    stale, live = f"{path}.{int(dead.stdout)}.tmp", f"{path}.{os.getppid()}.tmp"  # a gone and a live process
+    for leftover in (stale, stale + ".json", live):
+        open(leftover, "w").close()
+    docs = tmp_path / "d.jsonl"
+    docs.write_text('{"text": "你好"}\n', encoding="utf-8")
+    corpus.tokenize_to_file(load_text_documents([str(docs)], "x"), tokenizer, path, None, "x")
+    assert sorted(os.listdir(tmp_path / "t")) == ["abc.bin", os.path.basename(live), "abc.json"]
+
+    big = tmp_path / "big.jsonl"  # about 6 MB: a few seconds of tokenizing
+    big.write_text("".join(json.dumps({"text": f"第{i}篇：" + "春眠不觉晓，处处闻啼鸟。" * 160}, ensure_ascii=False) + "\n"
+                           for i in range(1000)), encoding="utf-8")
+    env = {**os.environ, "HF_DATASETS_CACHE": str(tmp_path / "cache")}
+    proc = subprocess.Popen([sys.executable, "0-PRETRAIN.py", "--preset", "tiny", "--train_files", str(big),
+                             "--val_files", str(docs), "--output_dir", str(tmp_path / "out")], cwd=REPO_ROOT, env=env,
+                            stderr=subprocess.PIPE, text=True)
+    seen = ""
+    while "tokenizing train" not in seen:  # the progress bar is on stderr
+        seen += proc.stderr.read(1)
+        assert proc.poll() is None, seen
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    rest = proc.stderr.read()
+    assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+    assert rest.strip().splitlines()[-1] == "stopped by SIGTERM" and "Traceback" not in rest
+    assert not [p for p in (tmp_path / "cache").rglob("*") if p.is_file() and "gpt2-zh-tokens" in str(p)]
 
 
 def test_a_bad_record_leaves_no_token_file_behind(tokenizer, tmp_path, monkeypatch):

@@ -217,6 +217,27 @@ def test_prompt_records_of_the_alignment_stages(tmp_path, tokenizer):
         read_prompt_files(str(bad), "--prompts_file")
 
 
+def test_messages_need_content_and_a_system_field_opens_them(tmp_path):
+    """An empty message is refused with its line and index; a "system" field beside "messages" opens the
+    conversation unless the messages start with their own; a .json holding one object (not records) says so."""
+    from cli import UserError
+    from corpus import read_chat_pairs
+
+    turn = [{"role": "user", "content": "你好"}, {"role": "assistant", "content": "嗯"}]
+    path = write_jsonl(tmp_path / "m.jsonl", [{"messages": turn, "system": "你是助手"},
+                                              {"messages": [{"role": "system", "content": "别的"}] + turn,
+                                               "system": "你是助手"}])
+    assert [r["messages"][0] for r in read_chat_pairs(str(path), "--train_files")] == [("system", "你是助手"),
+                                                                                       ("system", "别的")]
+    empty = write_jsonl(tmp_path / "e.jsonl", [{"messages": [turn[0], {"role": "assistant", "content": " "}]}])
+    with pytest.raises(UserError, match="e.jsonl line 1: messages message 2 \\(assistant\\) has empty content"):
+        read_chat_pairs(str(empty), "--train_files")
+    (tmp_path / "wrapped.json").write_text(json.dumps({"data": [{"prompt": "a", "response": "b"}]}, indent=2),
+                                           encoding="utf-8")
+    with pytest.raises(UserError, match="wrapped.json holds one JSON object \\(keys: data\\), not records"):
+        read_chat_pairs(str(tmp_path / "wrapped.json"), "--train_files")
+
+
 def test_parquet_conversations_read_as_their_json_lines(tmp_path):
     """The Hub publishes data sets as parquet: the same alpaca and messages records as .parquet read exactly as
     from .jsonl, and a bad row is named by its row number."""
