@@ -73,7 +73,9 @@ def parse_args(argv=None):
     add_model_arguments(p)
     prompts = p.add_mutually_exclusive_group()
     prompts.add_argument("--prompt", help="generate for this one prompt and print the answer")
-    prompts.add_argument("--prompts_file", help="a file of prompts: one per line, or .jsonl lines with a \"prompt\"")
+    prompts.add_argument("--prompts_file", help="a file of prompts: one per line, or .jsonl/.json/.parquet records "
+                                                "with a \"prompt\" (or alpaca / \"messages\" records, as 3-PPO.py "
+                                                "reads them)")
     p.add_argument("--output", help="where --prompts_file answers go as JSON lines (default: stdout)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing --output file")
     p.add_argument("--system", help="a system text before each prompt of a chat checkpoint ([CLS] system [SEP] "
@@ -162,10 +164,11 @@ def load_reward(path: str, vocab_size: int):
 
 # --- one prompt ------------------------------------------------------------------------------------------------
 
-def prompt_to_ids(prompt: str, tokenizer, chat: bool, context_length: int,
+def prompt_to_ids(prompt, tokenizer, chat: bool, context_length: int,
                   bos_id: int | None = None, system: str | None = None) -> list[int]:
     """The model input for ``prompt``: its ids, or ``[CLS] ids [ANS]`` (``[CLS] system [SEP] ids [ANS]`` with a
-    ``system`` text), cut from the left to fit the context.
+    ``system`` text), cut from the left to fit the context. A chat ``prompt`` may also be a conversation, a tuple
+    of ``(role, content)`` turns ending with a user turn (``read_prompts``).
     A plain continuation starts with ``bos_id`` when the model's documents did in training (``cfg.bos_id``: [CLS]
     for uer's weights); the token stays when the prompt is cut."""
     if not chat:
@@ -177,7 +180,8 @@ def prompt_to_ids(prompt: str, tokenizer, chat: bool, context_length: int,
                 f"{context_length}; keeping its last {room}")
             ids = ids[-room:]
         return start + ids
-    messages = ([("system", system)] if system else []) + [("user", prompt)]
+    turns = [("user", prompt)] if isinstance(prompt, str) else list(prompt)  # a conversation from a prompts file
+    messages = ([("system", system)] if system and turns[0][0] != "system" else []) + turns
     ids = chat_messages_ids(messages, tokenizer, context_length)  # [CLS] prompt [ANS], cut from its left to fit
     if len(ids) < len(chat_messages_ids(messages, tokenizer)):
         log(f"note: the prompt{' and system text' if system else ''} are longer than the {context_length} tokens "
@@ -267,12 +271,14 @@ def write_monitors(path: str, samples: list[list[dict]], n: int) -> dict:
 
 # --- the three modes -------------------------------------------------------------------------------------------
 
-def read_prompts(path: str) -> list[str]:
-    """Prompts from a ``.jsonl`` file (field "prompt") or a text file (one per line; blank lines skipped)."""
-    from corpus import read_jsonl, read_lines
+def read_prompts(path: str) -> list:
+    """Prompts from a text file (one per line; blank lines skipped) or from .jsonl / .json / .parquet records read
+    as the alignment stages read theirs (``corpus.prompt_of``: {"prompt"}, alpaca or "messages" records; a
+    conversation comes back as a tuple of turns)."""
+    from corpus import read_lines, read_prompt_files
 
-    if path.endswith(".jsonl"):
-        prompts = [row["prompt"] for row in read_jsonl(path, ("prompt",))]
+    if path.endswith((".jsonl", ".json", ".parquet")):
+        prompts = read_prompt_files(path, "--prompts_file")
     else:
         prompts = [line for line in read_lines(path) if line.strip()]
     if not prompts:
@@ -363,6 +369,9 @@ def main(argv=None):
 
     device = pick_device(args.device)
     model, tokenizer, chat = load_policy(args)
+    if prompts and not chat and not all(isinstance(p, str) for p in prompts):
+        raise UserError("a conversation in --prompts_file needs a chat checkpoint (SFT/PPO/DPO/GRPO) without --raw; "
+                        "give plain prompts to continue")
     if args.system and not chat:
         raise UserError("--system and --raw do not go together: --raw continues the text as is; drop one" if args.raw
                         else "--system is for chat checkpoints (SFT/PPO/DPO/GRPO), and this model only continues "

@@ -267,6 +267,25 @@ def test_prompts_file_text_and_jsonl(capsys, tmp_path, ckpts, policy, tokenizer)
     assert code == 0 and len(output.read_text(encoding="utf-8").splitlines()) == len(prompts)
 
 
+def test_prompts_file_takes_the_alignment_stages_records(capsys, tmp_path, ckpts, policy, tokenizer):
+    """generate.py reads prompt records as 3-PPO.py does: an alpaca record answers as its plain prompt, a
+    conversation is laid out by chat_messages_ids (greedy tokens compared with the reference loop)."""
+    from chinese_tokenizer import chat_messages_ids
+
+    turns = [("user", "你好"), ("assistant", "你好！"), ("user", PROMPT)]
+    path = tmp_path / "p.jsonl"
+    path.write_text(json.dumps({"instruction": PROMPT}, ensure_ascii=False) + "\n" + json.dumps(
+        {"messages": [{"role": r, "content": c} for r, c in turns]}, ensure_ascii=False) + "\n", encoding="utf-8")
+    code, out, _ = cli(capsys, "--checkpoint", ckpts["sft"], "--prompts_file", path, "--temperature", 0,
+                       "--max_new_tokens", 6)
+    rows = [json.loads(line) for line in out.splitlines()]
+    assert code == 0 and rows[0]["response"] == decode(greedy(policy, chat_prompt_ids(PROMPT, tokenizer), 6),
+                                                        tokenizer)
+    assert rows[1]["response"] == decode(greedy(policy, chat_messages_ids(turns, tokenizer), 6), tokenizer)
+    code, out, err = cli(capsys, "--checkpoint", ckpts["pretrain"], "--prompts_file", path)
+    assert code == 2 and "needs a chat checkpoint" in err and out == ""  # refused before the first answer
+
+
 def test_file_answer_equals_single_prompt_answer(capsys, tmp_path, ckpts):
     prompts = tmp_path / "prompts.txt"
     prompts.write_text(f"别的问题\n{PROMPT}\n", encoding="utf-8")
