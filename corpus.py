@@ -539,6 +539,13 @@ class TextDocuments:
                      for p in self.parts]
         return json.dumps([described, self.text_field], ensure_ascii=False)
 
+    @property
+    def lineage(self) -> str:
+        """Which corpus this is, whatever its content now: the paths and dataset names without their sizes, times or
+        fingerprints (an edited file keeps its lineage and gets a new key)."""
+        return json.dumps([[p if isinstance(p, str) else p[0] for p in self.parts], self.text_field],
+                          ensure_ascii=False)
+
     def __iter__(self):
         return self.stream(lambda n: None)
 
@@ -587,8 +594,11 @@ def tokenize_to_file(documents: TextDocuments, tokenizer, path: str, bos_id: int
     Memory does not grow with the corpus: no intermediate copy is kept, and the file is written with plain writes
     (pages of a written memory map would count as this process's memory). The file is written beside ``path`` and
     renamed into place after its description ``path[:-4] + ".json"`` ({"dtype", "tokens", "documents"}), which is
-    returned. Raises ``UserError`` for bad input (nothing is left behind).
+    returned. Token files of the same corpus lineage, tokenizer and ``bos_id`` from before an edit are then
+    deleted: they can never be used again. Raises ``UserError`` for bad input (nothing is left behind).
     """
+    import hashlib
+
     from tqdm.auto import tqdm
 
     start = [] if bos_id is None else [bos_id]
@@ -599,6 +609,8 @@ def tokenize_to_file(documents: TextDocuments, tokenizer, path: str, bos_id: int
             os.remove(stale)
     tmp = f"{path}.{os.getpid()}.tmp"
     info = {"dtype": dtype.name, "tokens": 0, "documents": 0}
+    vocab = json.dumps(sorted(tokenizer.get_vocab().items()), ensure_ascii=False)
+    lineage = hashlib.sha256(f"{documents.lineage}|{vocab}|{bos_id}".encode("utf-8")).hexdigest()[:24]
     try:
         with open(tmp, "wb") as f, tqdm(total=documents.num_bytes, unit="B", unit_scale=True, dynamic_ncols=True,
                                         desc=f"tokenizing {what}") as bar:
@@ -610,14 +622,31 @@ def tokenize_to_file(documents: TextDocuments, tokenizer, path: str, bos_id: int
                 info["tokens"] += len(flat)
                 info["documents"] += len(batch)
         with open(tmp + ".json", "w", encoding="utf-8") as f:
-            json.dump({**info, "source": json.loads(documents.key)}, f, ensure_ascii=False)
+            json.dump({**info, "lineage": lineage, "source": json.loads(documents.key)}, f, ensure_ascii=False)
         os.replace(tmp + ".json", path[:-len(".bin")] + ".json")
         os.replace(tmp, path)
     finally:
         for leftover in (tmp, tmp + ".json"):
             if os.path.exists(leftover):
                 os.remove(leftover)
+    for described in glob.glob(os.path.join(glob.escape(os.path.dirname(path)), "*.json")):
+        old = described[:-len(".json")] + ".bin"
+        finished = re.fullmatch(r"[0-9a-f]{24}\.json", os.path.basename(described))  # not another run's .tmp
+        if finished and old != path and _read_json(described).get("lineage") == lineage:  # before an edit
+            for stale in (old, described):
+                if os.path.exists(stale):
+                    os.remove(stale)
     return info
+
+
+def _read_json(path: str) -> dict:
+    """A small JSON file's object, or {} if it is unreadable (e.g. being replaced)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return value if isinstance(value, dict) else {}
 
 
 def _pid_alive(pid: int) -> bool:

@@ -83,7 +83,7 @@ def test_txt_documents_are_split_on_blank_lines(tmp_path):
 
 def test_tokens_are_cached_on_disk_and_read_lazily(tokenizer, tmp_path, monkeypatch):
     """The first PackedBlocks tokenizes into a uint16 file in the datasets cache; the next one for the same files
-    memory-maps it without tokenizing; an edited file is read and tokenized again."""
+    memory-maps it without tokenizing; an edited file is read and tokenized again, and its old token file goes."""
     import datasets
     import numpy as np
 
@@ -109,6 +109,12 @@ def test_tokens_are_cached_on_disk_and_read_lazily(tokenizer, tmp_path, monkeypa
             PackedBlocks(load_text_documents([str(path)], "test"), tokenizer, block_len=3)
     edited = PackedBlocks(load_text_documents([str(path)], "test"), tokenizer, block_len=3)
     assert edited.tokens.tolist() == first.tokens.tolist() + tokenizer.convert_tokens_to_ids(list("再见")) + [102]
+    # the token file of the file before the edit is gone (it can never be used again); another corpus's stays
+    other = tmp_path / "other.jsonl"
+    other.write_text('{"text": "别的"}\n', encoding="utf-8")
+    PackedBlocks(load_text_documents([str(other)], "test"), tokenizer, block_len=1)
+    left = sorted(p.name for p in (tmp_path / "cache" / "gpt2-zh-tokens").iterdir())
+    assert len(left) == 4 and os.path.basename(edited.path) in left and os.path.basename(first.path) not in left
 
 
 def test_parquet_jsonl_fields_and_datasets_give_the_same_tokens(tokenizer, tmp_path, monkeypatch):
