@@ -13,7 +13,6 @@ reward-hacking flag), and a table of the same prompts answered by every trained 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import shlex
@@ -84,14 +83,17 @@ def step(number: int, total: int, title: str, command: list[str], started: float
 def in_process(main, argv: list[str]) -> int:
     """``main(argv)``'s exit code as ``cli.run`` would give it, without leaving this process: a ``UserError`` is
     printed as its one line and gives 2, argparse's exit its code. It runs in ``ROOT``, as a subprocess would."""
+    here = os.getcwd()
     try:
-        with contextlib.chdir(ROOT):
-            return main(argv) or 0
+        os.chdir(ROOT)  # contextlib.chdir would do, from Python 3.11 on; the README promises 3.10
+        return main(argv) or 0
     except UserError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
     except SystemExit as e:
         return e.code if isinstance(e.code, int) else 1
+    finally:
+        os.chdir(here)
 
 
 def read_json(path):
