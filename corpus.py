@@ -151,6 +151,11 @@ def chat_format(row) -> str:
     return "prompt/response"
 
 
+def alpaca_user(row: dict) -> str:
+    """An alpaca record's user turn: the instruction, then its input (if any) on the next line."""
+    return row["instruction"] + ("\n" + row["input"] if row.get("input", "").strip() else "")
+
+
 def conversation_of(where: str, row, fmt: str) -> list[tuple[str, str]]:
     """One record of format ``fmt`` -> its conversation as ``(role, content)`` pairs (a ``"system"`` field becomes
     the system message, unless the messages start with their own). Raises ``UserError`` naming ``where`` and what
@@ -160,8 +165,7 @@ def conversation_of(where: str, row, fmt: str) -> list[tuple[str, str]]:
         turns = [("user", row["prompt"]), ("assistant", row["response"])]
     elif fmt == "alpaca":
         check_fields(where, row, ("instruction", "output"), ("input", "system"))
-        user = row["instruction"] + ("\n" + row["input"] if row.get("input", "").strip() else "")
-        turns = [("user", user), ("assistant", row["output"])]
+        turns = [("user", alpaca_user(row)), ("assistant", row["output"])]
     else:
         turns = turns_of(where, "messages", row.get("messages") if isinstance(row, dict) else None)
     _add_system(where, row, turns)
@@ -292,7 +296,7 @@ def prompt_of(where: str, row):
             turns = turns[:-1]
     elif fmt == "alpaca":
         check_fields(where, row, ("instruction",), ("input", "system"))
-        turns = [("user", row["instruction"] + ("\n" + row["input"] if row.get("input", "").strip() else ""))]
+        turns = [("user", alpaca_user(row))]
     elif isinstance(row, dict) and isinstance(row.get("prompt"), list):
         turns = turns_of(where, "prompt", row["prompt"])
     else:
@@ -333,9 +337,10 @@ def _file_documents(path: str, text_field: str, progress):
     found = False
     if path.endswith(".parquet"):
         parquet = _open_parquet(path)
-        if text_field not in parquet.schema_arrow.names:
-            raise UserError(f"{path} has no column '{text_field}' (its columns: {', '.join(parquet.schema_arrow.names)})"
-                            f"; pass --text_field with the column that holds the text")
+        columns = parquet.schema_arrow.names
+        if text_field not in columns:
+            raise UserError(f"{path} has no column '{text_field}' (its columns: {', '.join(columns)}); pass "
+                            f"--text_field with the column that holds the text")
         size, rows, done = os.path.getsize(path), max(1, parquet.metadata.num_rows), 0
         for batch in parquet.iter_batches(batch_size=1024, columns=[text_field]):
             for text in batch.column(0).to_pylist():
@@ -429,7 +434,8 @@ def _jsonl_stream(path: str, progress=None):
                             f"that line") from e
 
 
-DATASET_FILES = {"state.json", "dataset_dict.json", "dataset_info.json", "dataset_infos.json"}  # datasets' own
+SAVED_FILES = {"state.json", "dataset_dict.json"}  # written by save_to_disk: read with load_from_disk
+DATASET_FILES = SAVED_FILES | {"dataset_info.json", "dataset_infos.json"}  # datasets' own metadata
 
 
 def _dataset_folder(path: str) -> bool:
@@ -487,7 +493,7 @@ def _load_dataset(spec, pattern: str, what: str, text_field: str):
 
     name, config, split = spec
     try:
-        if os.path.isdir(name) and {"state.json", "dataset_dict.json"} & set(os.listdir(name)):
+        if os.path.isdir(name) and SAVED_FILES & set(os.listdir(name)):
             ds = _saved_split(datasets.load_from_disk(name), name, split, what)
         else:
             ds = datasets.load_dataset(name, config, split=split or "train")
@@ -580,9 +586,18 @@ def tokens_path(documents: TextDocuments, tokenizer, bos_id: int | None) -> str:
 
     import datasets
 
-    vocab = json.dumps(sorted(tokenizer.get_vocab().items()), ensure_ascii=False)
-    key = hashlib.sha256(f"{documents.key}|{vocab}|{bos_id}|v2".encode("utf-8")).hexdigest()[:24]
+    key = hashlib.sha256(f"{documents.key}|{_vocab_key(tokenizer)}|{bos_id}|v2".encode("utf-8")).hexdigest()[:24]
     return os.path.join(datasets.config.HF_DATASETS_CACHE, "gpt2-zh-tokens", f"{key}.bin")
+
+
+def _vocab_key(tokenizer) -> str:
+    """The whole vocabulary as one string, for the cache keys: another vocabulary gives other token files."""
+    return json.dumps(sorted(tokenizer.get_vocab().items()), ensure_ascii=False)
+
+
+def description_path(path: str) -> str:
+    """Where the description ({"dtype", "tokens", "documents", ...}) of the token file ``path`` (.bin) lives."""
+    return path[:-len(".bin")] + ".json"
 
 
 def tokenize_to_file(documents: TextDocuments, tokenizer, path: str, bos_id: int | None, what: str) -> dict:
@@ -593,8 +608,8 @@ def tokenize_to_file(documents: TextDocuments, tokenizer, path: str, bos_id: int
 
     Memory does not grow with the corpus: no intermediate copy is kept, and the file is written with plain writes
     (pages of a written memory map would count as this process's memory). The file is written beside ``path`` and
-    renamed into place after its description ``path[:-4] + ".json"`` ({"dtype", "tokens", "documents"}), which is
-    returned. Token files of the same corpus lineage, tokenizer and ``bos_id`` from before an edit are then
+    renamed into place after its description at ``description_path(path)`` ({"dtype", "tokens", "documents"}),
+    which is returned. Token files of the same corpus lineage, tokenizer and ``bos_id`` from before an edit are then
     deleted: they can never be used again. Raises ``UserError`` for bad input (nothing is left behind).
     """
     import hashlib
@@ -609,8 +624,7 @@ def tokenize_to_file(documents: TextDocuments, tokenizer, path: str, bos_id: int
             os.remove(stale)
     tmp = f"{path}.{os.getpid()}.tmp"
     info = {"dtype": dtype.name, "tokens": 0, "documents": 0}
-    vocab = json.dumps(sorted(tokenizer.get_vocab().items()), ensure_ascii=False)
-    lineage = hashlib.sha256(f"{documents.lineage}|{vocab}|{bos_id}".encode("utf-8")).hexdigest()[:24]
+    lineage = hashlib.sha256(f"{documents.lineage}|{_vocab_key(tokenizer)}|{bos_id}".encode("utf-8")).hexdigest()[:24]
     try:
         with open(tmp, "wb") as f, tqdm(total=documents.num_bytes, unit="B", unit_scale=True, dynamic_ncols=True,
                                         desc=f"tokenizing {what}") as bar:
@@ -623,7 +637,7 @@ def tokenize_to_file(documents: TextDocuments, tokenizer, path: str, bos_id: int
                 info["documents"] += len(batch)
         with open(tmp + ".json", "w", encoding="utf-8") as f:
             json.dump({**info, "lineage": lineage, "source": json.loads(documents.key)}, f, ensure_ascii=False)
-        os.replace(tmp + ".json", path[:-len(".bin")] + ".json")
+        os.replace(tmp + ".json", description_path(path))
         os.replace(tmp, path)
     finally:
         for leftover in (tmp, tmp + ".json"):
@@ -675,7 +689,7 @@ class PackedBlocks:
     def __init__(self, documents: TextDocuments, tokenizer, block_len: int, what: str = "data",
                  bos_id: int | None = None):
         path = tokens_path(documents, tokenizer, bos_id)
-        described = path[:-len(".bin")] + ".json"
+        described = description_path(path)
         if os.path.isfile(path) and os.path.isfile(described):
             with open(described, encoding="utf-8") as f:
                 info = json.load(f)

@@ -79,7 +79,7 @@ def tokenize_rate(sample: str, size: int, num_proc: int, threads: bool = True) -
     tokenizer's own threads (TOKENIZERS_PARALLELISM)."""
     os.environ["TOKENIZERS_PARALLELISM"] = "true" if threads else "false"
     from chinese_tokenizer import load_tokenizer
-    from corpus import load_text_documents, tokenize_to_file
+    from corpus import description_path, load_text_documents, tokenize_to_file
 
     tokenizer = load_tokenizer(os.path.join(ROOT, "data", "tokenizer"))
     if num_proc == 1:
@@ -88,7 +88,7 @@ def tokenize_rate(sample: str, size: int, num_proc: int, threads: bool = True) -
         tokenize_to_file(load_text_documents(sample, "sample"), tokenizer, target, None, "sample")
         seconds = time.time() - t
         os.remove(target)
-        os.remove(sample + ".json")  # tokenize_to_file's description of the target
+        os.remove(description_path(target))
         return size / 1e6 / seconds
 
     import datasets
@@ -176,8 +176,8 @@ def main():
                     ("demo corpus (warm cache)", demo)):
         step = f"{r['first_step_s']:.1f}" if r["first_step_s"] is not None else "—"
         print(f"| {name} | {r['wall_s']:.1f} | {step} | {r['peak_rss_mb']:.0f} |")
-    print(f"peak memory on the big corpus / on the demo corpus: cold run {first['peak_rss_mb'] / demo['peak_rss_mb']:.2f}, "
-          f"second run {second['peak_rss_mb'] / demo['peak_rss_mb']:.2f}")
+    cold, warm = (r["peak_rss_mb"] / demo["peak_rss_mb"] for r in (first, second))
+    print(f"peak memory on the big corpus / on the demo corpus: cold run {cold:.2f}, second run {warm:.2f}")
     if not args.keep:
         shutil.rmtree(args.out, ignore_errors=True)
 
