@@ -148,7 +148,7 @@ def monitors_of(batches, judge, tokenizer):
                      entropy.item()), texts
 
 
-HELD_OUT_BATCH = 16  # responses per batch of the held-out monitors, the same in every stage
+HELD_OUT_BATCH = 64  # responses per batch of the held-out monitors, the same in every stage (64 decoded fastest)
 
 
 @torch.no_grad()

@@ -648,9 +648,10 @@ def generate(model, idx, max_new_tokens, context_size, temperature=0.0, top_k=No
         if eos_id is not None and not 0 <= eos_id < cfg.vocab_size:
             raise ValueError(f"eos_id {eos_id} is not a token of this model (vocabulary 0..{cfg.vocab_size - 1}); "
                              f"give the id of its end-of-text token, e.g. [SEP] = 102 for BERT-Chinese")
-    # inference mode: no autograd bookkeeping at all (faster than no_grad); the result is cloned out of it
-    # so that callers may train on the generated ids (PPO does)
-    with torch.inference_mode():
+    # no_grad, not inference_mode: under CPU autocast, inference mode turns off autocast's cache of bf16 weight
+    # copies, so every step would cast every weight again (the (V, E) head alone is 5.4M values); measured in
+    # bench/README.md (a tensor made under inference mode could not be trained on either; PPO trains on these ids)
+    with torch.no_grad():
         was_training = model.training
         model.eval()
         padded = attention_mask is not None and not bool(attention_mask.all())
@@ -692,4 +693,4 @@ def generate(model, idx, max_new_tokens, context_size, temperature=0.0, top_k=No
             else:
                 cache, logits = None, None  # past the context: the window slides, so positions must be recomputed
         model.train(was_training)
-    return idx.clone()
+    return idx

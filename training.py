@@ -90,9 +90,11 @@ EMBEDDING_LR_SCALE = 30.0
 
 
 def make_optimizer(model: nn.Module, learning_rate: float, weight_decay: float,
-                   optimizer: str = "adamw") -> torch.optim.Optimizer:
+                   optimizer: str = "adamw", embedding_lr_scale: float = 1.0) -> torch.optim.Optimizer:
     """AdamW with weight decay on the weight matrices of Linear layers only; biases, norm scales/shifts and
-    embeddings (and the head tied to them) are not decayed.
+    embeddings (and the head tied to them) are not decayed. With ``embedding_lr_scale`` other than 1 the embedding
+    tables form a group of their own whose rate is that many times the schedule's (``set_lr``): the reward model
+    learns which tokens read as good or bad mostly there (bench/README.md: the RM recipes).
 
     ``optimizer="muon"``: ``MuonAdamW`` instead, Muon on the Transformer blocks' matrices at ``MUON_LR_SCALE``
     times the learning rate, AdamW on the token embedding at ``EMBEDDING_LR_SCALE`` times it and on the rest at
@@ -105,12 +107,17 @@ def make_optimizer(model: nn.Module, learning_rate: float, weight_decay: float,
     if optimizer != "adamw":
         raise ValueError(f"optimizer must be 'adamw' or 'muon', got {optimizer!r}")
     embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
-    decay, no_decay = [], []
+    decay, no_decay, tables = [], [], []
     for p in model.parameters():  # parameters() yields a tied weight once
         if not p.requires_grad:
             continue
-        (decay if p.dim() >= 2 and id(p) not in embeddings else no_decay).append(p)
+        if id(p) in embeddings:
+            (tables if embedding_lr_scale != 1.0 else no_decay).append(p)
+        else:
+            (decay if p.dim() >= 2 else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    if tables:
+        groups.append({"params": tables, "weight_decay": 0.0, "lr_scale": embedding_lr_scale})
     # the fused kernel updates all parameters in one pass (the per-tensor loop costs seconds a step on a CPU)
     return torch.optim.AdamW(groups, lr=learning_rate, betas=(0.9, 0.95), eps=1e-8, fused=True)
 

@@ -1,7 +1,7 @@
 """Decoding against its physical limit: each cached decode step must read every weight once (and the KV cache), so
 its time cannot drop below (bytes read per step) / (read bandwidth). This bench measures both in one run.
 
-For each preset, weight dtype (fp32, bf16) and batch size it reports:
+For each preset, weight dtype (fp32, bf16, and fp32 under bf16 autocast) and batch size it reports:
   step     median time of one cached decode step of ``gpt_model.generate`` (greedy, new tokens 4 .. N)
   bytes    weights read per step (every block matrix, the final norm, the whole output head, B embedding rows)
            plus the keys and values read from the cache at the measured positions
@@ -34,7 +34,9 @@ from cli import HelpFormatter  # noqa: E402
 from gpt_model import GPTModel, generate, get_preset  # noqa: E402
 
 PROMPT_LEN = 16
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# "autocast": fp32 weights decoded under CPU bf16 autocast, as the alignment stages sample (autocast keeps one bf16
+# copy of each weight for the whole generate call, so a step reads bf16 weights)
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "autocast": torch.float32}
 
 
 def read_bandwidth(nbytes: int, repeats: int = 7) -> float:
@@ -78,12 +80,14 @@ def step_times(model, batch: int, new_tokens: int, seed: int = 0) -> list[float]
     return [b - a for a, b in zip(stamps, stamps[1:])]
 
 
-def measure(model, batch: int, new_tokens: int, rounds: int) -> float:
-    """Median decode-step time over ``rounds`` generations, steps 4 .. new_tokens (warmed up)."""
-    step_times(model, batch, 8)
-    times = []
-    for r in range(rounds):
-        times += step_times(model, batch, new_tokens, seed=r)[2:]
+def measure(model, batch: int, new_tokens: int, rounds: int, autocast: bool = False) -> float:
+    """Median decode-step time over ``rounds`` generations, steps 4 .. new_tokens (warmed up), under CPU bf16
+    autocast when asked."""
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        step_times(model, batch, 8)
+        times = []
+        for r in range(rounds):
+            times += step_times(model, batch, new_tokens, seed=r)[2:]
     return statistics.median(times)
 
 
@@ -118,7 +122,8 @@ def build(preset: str, dtype: str, context_length: int | None = None) -> GPTMode
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     p.add_argument("--presets", nargs="+", default=["demo", "gpt2-zh-small"])
-    p.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"], choices=list(DTYPES))
+    p.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES),
+                   help="weights in fp32, in bf16, or in fp32 under bf16 autocast (how PPO and GRPO sample)")
     p.add_argument("--batches", nargs="+", type=int, default=[1, 8])
     p.add_argument("--new_tokens", type=int, default=48, help="tokens per timed generation")
     p.add_argument("--rounds", type=int, default=3, help="timed generations per figure")
@@ -138,10 +143,11 @@ def main():
         models = {dt: build(preset, dt) for dt in args.dtypes}
         for dt, model in models.items():
             for batch in args.batches:
-                step = measure(model, batch, args.new_tokens, args.rounds)
-                element = torch.finfo(DTYPES[dt]).bits // 8
+                step = measure(model, batch, args.new_tokens, args.rounds, autocast=dt == "autocast")
+                element = 2 if dt == "autocast" else torch.finfo(DTYPES[dt]).bits // 8
                 positions = PROMPT_LEN + 2 + args.new_tokens / 2  # mean cached length over the measured steps
-                nbytes = weight_bytes_per_step(model, batch) + kv_bytes_per_step(model.cfg, batch, positions, element)
+                weights = weight_bytes_per_step(model, batch) * element // model.tok_emb.weight.element_size()
+                nbytes = weights + kv_bytes_per_step(model.cfg, batch, positions, element)
                 bandwidth = read_bandwidth(int(nbytes))
                 bound = nbytes / bandwidth
                 print(f"| {preset} | {dt} | {batch} | {step * 1e3:.2f} | {nbytes / 1e6:.1f} | {bandwidth / 1e9:.1f} "

@@ -922,13 +922,40 @@ def test_generate_turns_dropout_off_and_restores_the_mode():
 
 
 def test_generated_ids_can_be_trained_on():
-    """generate runs in inference mode, but what it returns is an ordinary tensor: a training pass over it (as PPO
+    """What generate returns is an ordinary tensor, not an inference-mode one: a training pass over it (as PPO
     does with its rollouts) can save it for backward."""
     model = random_model(small_cfg(), seed=20)
     sequences = gm.generate(model, torch.tensor([[3, 4, 5]]), 6, 16)
     assert not sequences.is_inference()
     model(sequences[:, :-1], labels=sequences[:, 1:])["loss"].backward()
     assert model.tok_emb.weight.grad is not None
+
+
+def test_generate_under_autocast_casts_each_weight_once():
+    """Under CPU bf16 autocast a cached decode step must reuse autocast's bf16 copy of each weight instead of
+    casting it again: generate once ran in inference mode, where autocast keeps no such copies, and every step
+    cast the whole (V, E) head again (bench/README.md). Counts the casts of the head weight over 1 full pass +
+    3 cached steps with a dispatch mode; the dtypes come from autocast, not from the model."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class CountHeadCasts(TorchDispatchMode):
+        def __init__(self, weight):
+            super().__init__()
+            self.shape, self.casts = tuple(weight.shape), 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if (func in (torch.ops.aten._to_copy.default, torch.ops.aten.to.dtype) and
+                    tuple(args[0].shape) == self.shape):
+                self.casts += 1
+            return func(*args, **kwargs)
+
+    model = random_model(small_cfg(), seed=21)
+    prompt = torch.tensor([[3, 4, 5], [6, 7, 8]])
+    with torch.autocast("cpu", dtype=torch.bfloat16), CountHeadCasts(model.out_head.weight) as counter:
+        out = gm.generate(model, prompt, 4, 16)
+    assert out.shape == (2, 7)
+    assert counter.casts == 1
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from gpt_model import GPTModel, get_preset
-from training import MuonAdamW, load_training_state, make_optimizer_groups, save_training_state, set_lr
+from training import (MuonAdamW, load_training_state, make_optimizer, make_optimizer_groups, save_training_state,
+                      set_lr)
 
 
 def tiny_model(seed=0, **changes):
@@ -32,6 +33,24 @@ def test_groups_put_block_matrices_in_muon_and_embeddings_in_adamw():
 
     untied = make_optimizer_groups(tiny_model(tie_embeddings=False), 0.1, muon=True)
     assert [len(g["params"]) for g in untied][1:3] == [1, 1]  # embedding alone, then the decayed head
+
+
+def test_adamw_gives_the_embedding_tables_their_own_rate_only_when_asked():
+    """make_optimizer's AdamW (the fine-tuning stages'): with embedding_lr_scale the token and position tables form a
+    third, undecayed group whose rate set_lr multiplies; without it the two groups are as before, and every
+    parameter is in exactly one group either way."""
+    model = tiny_model()
+    names = {id(p): n for n, p in model.named_parameters()}
+    plain = make_optimizer(model, 1e-3, 0.1).param_groups
+    assert len(plain) == 2 and "tok_emb.weight" in {names[id(p)] for p in plain[1]["params"]}
+    scaled = make_optimizer(model, 1e-3, 0.1, embedding_lr_scale=30.0)
+    decay, no_decay, tables = ({names[id(p)] for p in g["params"]} for g in scaled.param_groups)
+    assert tables == {"tok_emb.weight", "pos_emb.weight"} and not tables & (decay | no_decay)
+    assert "trf_blocks.0.att.W_key.weight" in decay and "final_norm.scale" in no_decay
+    assert sum(len(g["params"]) for g in scaled.param_groups) == len(list(model.parameters()))
+    set_lr(scaled, 1e-3)
+    assert [g["lr"] for g in scaled.param_groups] == pytest.approx([1e-3, 1e-3, 3e-2])
+    assert scaled.param_groups[2]["weight_decay"] == 0.0
 
 
 def step(model, optimizer, seed, lr=1e-2):
