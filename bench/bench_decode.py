@@ -80,10 +80,12 @@ def step_times(model, batch: int, new_tokens: int, seed: int = 0) -> list[float]
     return [b - a for a, b in zip(stamps, stamps[1:])]
 
 
-def measure(model, batch: int, new_tokens: int, rounds: int, autocast: bool = False) -> float:
+def measure(model, batch: int, new_tokens: int, rounds: int, autocast: bool = False,
+            inference_mode: bool = False) -> float:
     """Median decode-step time over ``rounds`` generations, steps 4 .. new_tokens (warmed up), under CPU bf16
-    autocast when asked."""
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+    autocast when asked, and inside ``torch.inference_mode()`` when asked (where generate used to run: autocast
+    then keeps no bf16 copies of the weights and casts them again at every step)."""
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast), torch.inference_mode(inference_mode):
         step_times(model, batch, 8)
         times = []
         for r in range(rounds):
@@ -152,6 +154,11 @@ def main():
                 bound = nbytes / bandwidth
                 print(f"| {preset} | {dt} | {batch} | {step * 1e3:.2f} | {nbytes / 1e6:.1f} | {bandwidth / 1e9:.1f} "
                       f"| {bound * 1e3:.2f} | {step / bound:.2f} |", flush=True)
+        if "autocast" in models:
+            slow = [measure(models["autocast"], b, args.new_tokens, args.rounds, autocast=True, inference_mode=True)
+                    for b in args.batches]
+            print(f"\n{preset}: the autocast rows inside torch.inference_mode() (as generate ran before): "
+                  + ", ".join(f"{t * 1e3:.2f} ms at batch {b}" for t, b in zip(slow, args.batches)))
         if "fp32" in models and "bf16" in models:
             agree = agreement(models["fp32"], models["bf16"], prompts=8, new_tokens=args.new_tokens)
             print(f"\n{preset}: bf16 weights vs fp32 (8 random prompts, greedy): "
