@@ -67,7 +67,7 @@ def parse_args(argv=None):
     p.add_argument("--head_lr_scale", type=positive_float,
                    help="the new scalar head's learning rate is --learning_rate times this (the backbone is pretrained)")
     p.add_argument("--embedding_lr_scale", type=positive_float,
-                   help="the token embedding's learning rate is --learning_rate times this: the RM learns which "
+                   help="the embedding tables' learning rate is --learning_rate times this: the RM learns which "
                         "tokens read as good or bad mostly there")
     p.add_argument("--max_length", type=positive_int,
                    help="longest sequence in tokens; a longer pair loses the start of its prompt, then the end of "
