@@ -18,6 +18,7 @@ The stage-specific maths (PPO's GAE and clipped losses, DPO's loss, GRPO's group
 from __future__ import annotations
 
 import copy
+import hashlib
 import os
 
 import torch
@@ -149,13 +150,49 @@ def monitors_of(batches, judge, tokenizer):
 
 
 HELD_OUT_BATCH = 64  # responses per batch of the held-out monitors, the same in every stage (64 decoded fastest)
+# Held-out monitors already measured in this process, by everything that decides them (``held_out_key``). The
+# pipeline runs PPO, DPO and GRPO in one process, and each starts by measuring the same SFT policy on the same
+# draws: the second and third get the first one's figures instead of sampling them again.
+_MEASURED: dict = {}
+
+
+def weights_digest(*models) -> str:
+    """The sha256 of every parameter and buffer of ``models`` (names, dtypes, shapes and bytes), in order; a tensor
+    seen already (a tied head) adds only its name."""
+    h, seen = hashlib.sha256(), set()
+    for model in models:
+        for name, t in model.state_dict().items():
+            h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
+            if t.numel() and (t.data_ptr(), t.dtype, t.shape) not in seen:
+                seen.add((t.data_ptr(), t.dtype, t.shape))
+                h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy())
+    return h.hexdigest()
+
+
+def held_out_key(policy, ref, reward_model, judge, prompts, args, context_length, device, seed) -> tuple:
+    """What ``held_out_monitors`` depends on: the three models' weights, the judge, the prompts, the sampling
+    settings, the seed, the device and the autocast precision in force."""
+    kind = torch.device(device).type
+    autocast = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
+    return (weights_digest(policy, ref, reward_model), type(judge).__name__, repr(list(prompts)),
+            args.eval_samples, args.max_new_tokens, context_length, str(device), seed, str(autocast),
+            HELD_OUT_BATCH)
 
 
 @torch.no_grad()
 def held_out_monitors(policy, ref, reward_model, judge, prompts, tokenizer, args, context_length, device, seed):
     """The monitors of ``args.eval_samples`` sampled responses per held-out prompt, with a fixed seed and batches of
     ``HELD_OUT_BATCH`` (so the SFT policy and every aligned one, PPO, DPO or GRPO, are compared on the same draws of
-    randomness), and every (prompt, response, RM score) for samples.md."""
+    randomness), and every (prompt, response, RM score) for samples.md. A measurement this process has made
+    already (same weights, prompts and settings: ``held_out_key``) is returned again instead of being redone."""
+    key = held_out_key(policy, ref, reward_model, judge, prompts, args, context_length, device, seed)
+    if key not in _MEASURED:
+        _MEASURED[key] = _measure_held_out(policy, ref, reward_model, judge, prompts, tokenizer, args,
+                                           context_length, device, seed)
+    return copy.deepcopy(_MEASURED[key])
+
+
+def _measure_held_out(policy, ref, reward_model, judge, prompts, tokenizer, args, context_length, device, seed):
     flat = [p for p in prompts for _ in range(args.eval_samples)]
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

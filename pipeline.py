@@ -13,6 +13,7 @@ reward-hacking flag), and a table of the same prompts answered by every trained 
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import shlex
@@ -61,8 +62,8 @@ def step(number: int, total: int, title: str, command: list[str], started: float
     """Run one stage as a subprocess (its progress bars go straight to the terminal); returns its wall time.
 
     With ``main`` (the script's ``main``; ``command`` is then ``python SCRIPT ARGS...``) the script runs in this
-    process instead, on the same arguments: generate.py is run six times for the report, and a new process would
-    pay the start-up (importing torch and the rest, about 4 s) each time."""
+    process instead, on the same arguments (``in_process``): a new process would pay the start-up (importing torch
+    and the rest, about 4 s) each time."""
     elapsed = time.time() - started
     print(f"\n=== [{number}/{total}] {title} (pipeline time so far {elapsed / 60:.1f} min) ===\n$ "
           f"{' '.join(shlex.quote(c) for c in command)}", flush=True)
@@ -82,7 +83,13 @@ def step(number: int, total: int, title: str, command: list[str], started: float
 
 def in_process(main, argv: list[str]) -> int:
     """``main(argv)``'s exit code as ``cli.run`` would give it, without leaving this process: a ``UserError`` is
-    printed as its one line and gives 2, argparse's exit its code. It runs in ``ROOT``, as a subprocess would."""
+    printed as its one line and gives 2, argparse's exit its code. It runs in ``ROOT``, as a subprocess would, and
+    with Accelerate's process-wide state cleared, so that each stage's ``Accelerator`` starts as in a new process
+    (the state is a singleton that refuses, for one, another mixed precision)."""
+    from accelerate.state import AcceleratorState, GradientState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    GradientState._reset_state()
     here = os.getcwd()
     try:
         os.chdir(ROOT)  # contextlib.chdir would do, from Python 3.11 on; the README promises 3.10
@@ -94,6 +101,7 @@ def in_process(main, argv: list[str]) -> int:
         return e.code if isinstance(e.code, int) else 1
     finally:
         os.chdir(here)
+        gc.collect()  # the stage's models and optimizer go now, not when the next stage needs the memory
 
 
 def read_json(path):
@@ -133,9 +141,13 @@ def main(argv=None):
     prepare = py + ["data/prepare.py"] + (["--with-poetry"] if args.with_poetry else [])
     times["data"] = step(1, total, "data/prepare.py: real Chinese data from pinned packages", prepare, started)
     baselines = compute_baselines(args)
+    # Under the plain interpreter (the default --launch) each stage runs in this process: the same command with the
+    # same results, without paying the start-up again (importing torch and the rest, and the judge's models: about
+    # 4 s each). Any other launcher (accelerate launch, torchrun) starts its own processes.
+    here = launch == py
     for number, (stage, script) in enumerate(STAGES, start=2):
         command = launch + [script, "--preset", args.preset] + (["--overwrite"] if args.overwrite else [])
-        times[stage] = step(number, total, script, command, started)
+        times[stage] = step(number, total, script, command, started, load_stage(script).main if here else None)
 
     # the same prompts answered by each model, every answer scored by the reward model
     os.makedirs(args.report_dir, exist_ok=True)
@@ -184,14 +196,23 @@ def compute_baselines(args) -> dict:
     return result
 
 
-def load_stage_defaults(script: str) -> dict:
-    """A stage script's per-preset DEFAULTS (the scripts' names start with a digit, so they are loaded by path)."""
+def load_stage(script: str):
+    """A stage script as a module, loaded once (the scripts' names start with a digit, so they are loaded by
+    path): its ``DEFAULTS`` and its ``main``."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location(script.replace("-", "_")[:-3], os.path.join(ROOT, script))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.DEFAULTS
+    name = script.replace("-", "_")[:-3]
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, script))
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        sys.modules[name] = module
+    return sys.modules[name]
+
+
+def load_stage_defaults(script: str) -> dict:
+    """A stage script's per-preset DEFAULTS."""
+    return load_stage(script).DEFAULTS
 
 
 def run_best_of_n(args, py, total, started) -> dict | None:
@@ -244,7 +265,9 @@ def held_out_section(metrics: dict, best_of_n: dict | None = None, times: dict |
              f"errors are wider). The RM is the one PPO and GRPO maximise; DPO learnt from the RM's training pairs "
              f"instead. Judge: snownlp's sentiment naive Bayes, P(positive), mean ± standard error, a model none "
              f"of them saw (see notes/judge.md for what it cannot tell). KL to SFT in nats per response; best-of-n's "
-             f"is the bound log n - (n - 1)/n.", "",
+             f"is the bound log n - (n - 1)/n. Wall time is the whole stage; when the stages run in the pipeline's "
+             f"own process (the default --launch), the first of them also loads the judge and measures the SFT "
+             f"policy (about 10 s on the demo), which the ones after it reuse.", "",
              "| model | RM score | judge | KL | distinct-2 | longest run | ends with [SEP] | mean length | wall time |",
              "|---|---|---|---|---|---|---|---|---|"]
     for name, m, kl, wall in rows:

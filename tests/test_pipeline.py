@@ -4,6 +4,8 @@ sentences."""
 import math
 import os
 
+import pytest
+
 import pipeline
 
 MONITORS = {"rm_score": 0.5, "rm_score_se": 0.1, "judge": 0.6, "judge_se": 0.02, "kl": 0.0, "kl_se": 0.0,
@@ -84,3 +86,23 @@ def test_in_process_gives_the_exit_code_a_subprocess_would(capsys, tmp_path, mon
     assert pipeline.in_process(refuses, []) == 2 and capsys.readouterr().err == "error: --x is wrong; fix it\n"
     assert pipeline.in_process(bad_flag, ["--nope"]) == 2
     assert os.getcwd() == str(tmp_path)
+
+
+def test_in_process_stages_each_start_their_own_accelerate_state():
+    """The pipeline runs the stages in its own process. Accelerate keeps its state process-wide and refuses a
+    second Accelerator with another mixed precision; in_process clears it, so each stage starts as in a new
+    process."""
+    from accelerate import Accelerator
+
+    made = []
+
+    def stage(precision):
+        return lambda argv: made.append(Accelerator(cpu=True, mixed_precision=precision).mixed_precision)
+
+    with pytest.raises(ValueError):  # what a stage would meet without in_process
+        Accelerator(cpu=True, mixed_precision="bf16")
+        Accelerator(cpu=True, mixed_precision="no")
+    assert pipeline.in_process(stage("bf16"), []) == 0
+    assert pipeline.in_process(stage("no"), []) == 0
+    assert made == ["bf16", "no"]
+    pipeline.in_process(lambda argv: None, [])  # leave no state behind for the tests that follow

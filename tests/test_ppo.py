@@ -259,3 +259,33 @@ def test_no_sampling_temperature_to_get_wrong(tmp_path, script):
     result = run_script(script, "--preset", "tiny", "--temperature", "0.7", "--output_dir", tmp_path / "out")
     assert result.returncode == 2 and "unrecognized arguments: --temperature 0.7" in result.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_held_out_monitors_measure_the_same_models_once(tokenizer, monkeypatch):
+    """The pipeline runs PPO, DPO and GRPO in one process, and each measures the SFT policy first: a second call
+    with the same weights, prompts and settings returns the first call's figures without sampling again; changed
+    weights, another seed or autocast are measured anew."""
+    policy, ref, reward = tiny_models()
+    judge = lambda texts: [0.5] * len(texts)  # noqa: E731 (a stand-in judge: the cache is what is tested)
+    args = types.SimpleNamespace(max_new_tokens=4, eval_samples=2)
+    monkeypatch.setattr(alignment, "_MEASURED", {})
+    calls = []
+    measure = alignment._measure_held_out
+    monkeypatch.setattr(alignment, "_measure_held_out", lambda *a: calls.append(a) or measure(*a))
+    prompts = ["写一条好评：", "你好"]
+
+    def held_out(seed=7):
+        return alignment.held_out_monitors(policy, ref, reward, judge, prompts, tokenizer, args, 64, "cpu", seed)
+
+    first = held_out()
+    first[0]["rm_score"] = None  # the caller's copy: changing it must not change what the next caller gets
+    again = held_out()
+    assert len(calls) == 1 and again[0]["rm_score"] is not None
+    assert again == measure(policy, ref, reward, judge, prompts, tokenizer, args, 64, "cpu", 7)
+    held_out(seed=8)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        held_out()
+    with torch.no_grad():
+        next(policy.parameters()).add_(0.01)
+    held_out()
+    assert len(calls) == 4
