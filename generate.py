@@ -207,9 +207,11 @@ def sample(model, ids: list[int], args, num_samples: int, stream=None) -> list[l
 
 
 @torch.no_grad()
-def score(reward_model, tokenizer, prompt: str, responses: list[str]) -> list[float]:
-    """The reward model's score of each ``[CLS] prompt [ANS] response [SEP]``, in one right-padded batch."""
-    return score_texts(reward_model, tokenizer, [prompt] * len(responses), responses)
+def score(reward_model, tokenizer, prompt: str, responses: list[str], ended: list[bool]) -> list[float]:
+    """The reward model's score of each ``[CLS] prompt [ANS] response [SEP]``, in one right-padded batch; a
+    response cut off at ``--max_new_tokens`` (``ended`` False) without the ``[SEP]`` it never wrote, as PPO, DPO
+    and GRPO score their held-out answers, so that best-of-n and they are measured alike."""
+    return score_texts(reward_model, tokenizer, [prompt] * len(responses), responses, ended=ended)
 
 
 class TextStream:
@@ -242,13 +244,14 @@ def answer(prompt: str, model, tokenizer, chat: bool, args, reward_model=None, o
     responses = [decode(r, tokenizer) for r in samples]
     if reward_model is None:
         return [{"prompt": prompt, "response": r} for r in responses]
-    scores = score(reward_model, tokenizer, prompt, responses)
+    ended = [len(ids) < args.max_new_tokens for ids in samples]  # shorter than the limit: it stopped at [SEP]
+    scores = score(reward_model, tokenizer, prompt, responses, ended)
     best = max(range(n), key=lambda i: scores[i])  # the first of equal scores
     for i, (r, s) in enumerate(zip(responses, scores)):
         log(f"{'*' if i == best else ' '} sample {i + 1}: score {s:+.4f}  {r!r}")
-    if kept is not None:  # shorter than the limit: generation stopped at [SEP]
-        kept.append([{"ids": ids, "ended": len(ids) < args.max_new_tokens, "response": r, "score": s}
-                     for ids, r, s in zip(samples, responses, scores)])
+    if kept is not None:
+        kept.append([{"ids": ids, "ended": e, "response": r, "score": s}
+                     for ids, e, r, s in zip(samples, ended, responses, scores)])
     return [{"prompt": prompt, "response": responses[best], "score": scores[best]}]
 
 

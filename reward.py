@@ -21,7 +21,8 @@ from corpus import pad_right
 
 
 @torch.no_grad()
-def score_texts(model, tokenizer, prompts, responses, batch_size: int = 32, max_length: int | None = None):
+def score_texts(model, tokenizer, prompts, responses, batch_size: int = 32, max_length: int | None = None,
+                ended=None):
     """The reward of each (prompt, response) pair, as a list of floats in the input order.
 
     Args:
@@ -32,13 +33,19 @@ def score_texts(model, tokenizer, prompts, responses, batch_size: int = 32, max_
             scores do not depend on the batching because the reward is read at each row's last real token.
         max_length: longest sequence in tokens (default: the model's ``context_length``); longer pairs are cut as
             ``apply_chat_template`` does (the prompt from its left first).
+        ended: optional list of bools, one per response: False for an answer that was cut off before it wrote
+            ``[SEP]`` (it is scored without the closing ``[SEP]``, as the alignment stages score such an answer:
+            the sequence as it was generated). By default every response is complete.
     Raises:
-        ValueError: the two lists have different lengths.
+        ValueError: the lists have different lengths.
     """
-    if len(prompts) != len(responses):
-        raise ValueError(f"score_texts got {len(prompts)} prompts but {len(responses)} responses")
+    if len(prompts) != len(responses) or (ended is not None and len(ended) != len(responses)):
+        raise ValueError(f"score_texts got {len(prompts)} prompts, {len(responses)} responses and "
+                         f"{'no' if ended is None else len(ended)} ended flags")
     max_length = max_length or model.cfg.context_length
     encoded = [apply_chat_template(p, r, tokenizer, max_length)[0] for p, r in zip(prompts, responses)]
+    if ended is not None:
+        encoded = [ids if done else ids[:-1] for ids, done in zip(encoded, ended)]  # drop the template's [SEP]
     order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))
     device = next(model.parameters()).device
     was_training = model.training

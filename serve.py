@@ -423,7 +423,7 @@ def create_app(model, tokenizer, chat: bool, model_id: str, reward_model=None) -
         for (j, c), ch in choices.items():
             usage["completion_tokens"] += ch["tokens"]
             if reward_model is not None:
-                ch["reward"] = reward_of(prompts[j], ch["text"])
+                ch["reward"] = reward_of(prompts[j], ch["text"], ch["finish"])
         order = sorted(choices) if reward_model is None else \
             sorted(choices, key=lambda k: (k[0], -choices[k]["reward"]))  # per prompt, best first
         out = []
@@ -458,8 +458,10 @@ def create_app(model, tokenizer, chat: bool, model_id: str, reward_model=None) -
                     open_ -= 1
         return choices
 
-    def reward_of(prompt: str, text: str) -> float:
-        return round(float(score_texts(reward_model, tokenizer, [prompt], [text])[0]), 4)
+    def reward_of(prompt: str, text: str, finish: str) -> float:
+        """The RM's score of one choice; one cut off at max_tokens (finish "length") without the closing [SEP]
+        it never wrote, as generate.py and the alignment stages score such an answer."""
+        return round(float(score_texts(reward_model, tokenizer, [prompt], [text], ended=[finish != "length"])[0]), 4)
 
     async def stream_events(rid, req, jobs, prompts, kind, usage, started):
         """Server-sent events: one chunk per piece of text, a last chunk per choice, [DONE]."""
@@ -512,7 +514,8 @@ def create_app(model, tokenizer, chat: bool, model_id: str, reward_model=None) -
                         open_ -= 1
                         finishes.append(event[2])
                         usage["completion_tokens"] += event[3]
-                        extra = {"reward": reward_of(prompts[j], texts.get(index, ""))} if reward_model else None
+                        extra = {"reward": reward_of(prompts[j], texts.get(index, ""), event[2])} if reward_model \
+                            else None
                         yield chunk(index, None if kind == "chat.completion" else "", event[2], extra=extra)
             finally:
                 for task in tasks:

@@ -182,9 +182,10 @@ def test_prompt_longer_than_context_keeps_its_end(capsys, ckpts, policy, tokeniz
 
 
 @torch.no_grad()
-def rm_score(model, tokenizer, prompt, response):
-    """The reward of ``[CLS] prompt [ANS] response [SEP]`` scored alone: the head's value at the last token."""
-    ids = chat_prompt_ids(prompt, tokenizer) + encode(response, tokenizer) + [SEP_ID]
+def rm_score(model, tokenizer, prompt, response, ended=True):
+    """The reward of ``[CLS] prompt [ANS] response [SEP]`` scored alone: the head's value at the last token (no
+    ``[SEP]`` for a response that was cut off before it wrote one)."""
+    ids = chat_prompt_ids(prompt, tokenizer) + encode(response, tokenizer) + ([SEP_ID] if ended else [])
     return float(model(torch.tensor([ids]))["rewards"][0])
 
 
@@ -198,7 +199,10 @@ def test_reward_returns_the_best_scoring_sample(capsys, tmp_path, ckpts, tokeniz
     samples = [json.loads(line)["response"] for line in out.splitlines()]
     assert len(samples) == 4 and len(set(samples)) == 4
     reward_model = load_checkpoint(ckpts["rm"], "reward")[0]
-    scores = [rm_score(reward_model, tokenizer, PROMPT, s) for s in samples]
+    # a sample of all 8 tokens was cut off: scored as generated, without a [SEP], as the alignment stages do
+    ended = [len(encode(s, tokenizer)) < 8 for s in samples]
+    assert not all(ended)  # so that appending [SEP] to every sample would fail
+    scores = [rm_score(reward_model, tokenizer, PROMPT, s, e) for s, e in zip(samples, ended)]
     best = max(range(4), key=lambda i: scores[i])
     assert best != 0  # so that "always the first sample" would fail
 

@@ -289,7 +289,8 @@ def test_a_client_that_leaves_frees_its_slot_and_a_slow_one_blocks_nobody(server
 
 
 def test_reward_ranks_the_choices(tiny_policy_and_rm, tokenizer):
-    """With a reward model, the n choices come best first, each with the RM's score of its text (in-process)."""
+    """With a reward model, the n choices come best first, each with the RM's score of its text (in-process); a
+    choice cut off at max_tokens is scored without the [SEP] it never wrote."""
     from fastapi.testclient import TestClient
 
     from reward import score_texts
@@ -304,7 +305,10 @@ def test_reward_ranks_the_choices(tiny_policy_and_rm, tokenizer):
     rewards = [c["reward"] for c in reply["choices"]]
     assert rewards == sorted(rewards, reverse=True) and [c["index"] for c in reply["choices"]] == [0, 1, 2, 3]
     texts = [c["message"]["content"] for c in reply["choices"]]
-    assert rewards == pytest.approx([float(s) for s in score_texts(rm, tokenizer, [PROMPT] * 4, texts)], abs=1e-3)
+    ended = [c["finish_reason"] == "stop" for c in reply["choices"]]
+    assert not all(ended)  # so that scoring every choice as finished would fail
+    assert rewards == pytest.approx([float(s) for s in score_texts(rm, tokenizer, [PROMPT] * 4, texts, ended=ended)],
+                                    abs=1e-3)
 
 
 def test_a_plain_language_model_only_continues(tiny_pretrain_checkpoint, tokenizer):
