@@ -141,13 +141,13 @@ def tokens_per_second(rows) -> float | None:
 
 def main(argv=None):
     args = parse_args(argv)
+    launch = shlex.split(args.launch)
+    if not launch:
+        raise UserError('--launch is empty; give a command such as "python" or "accelerate launch"')
     existing = [d for d in CHECKPOINTS.values() if os.path.exists(os.path.join(ROOT, d, "config.json"))]
     if existing and not args.overwrite:
         raise UserError(f"an earlier run's checkpoints exist ({', '.join(existing)}); to keep them, move them away "
                         f"first; to replace them, run again with --overwrite (make pipeline ARGS=--overwrite)")
-    launch = shlex.split(args.launch)
-    if not launch:
-        raise UserError('--launch is empty; give a command such as "python" or "accelerate launch"')
     py = [sys.executable]
     total = len(STAGES) + 3
     started = time.time()
@@ -279,8 +279,9 @@ def held_out_section(metrics: dict, best_of_n: dict | None = None, times: dict |
              f"best of n answers that generate.py samples from the SFT model, one kept per prompt (so its standard "
              f"errors are wider). The RM is the one PPO and GRPO maximise; DPO learnt from the RM's training pairs "
              f"instead. Judge: snownlp's sentiment naive Bayes, P(positive), mean ± standard error, a model none "
-             f"of them saw (see notes/judge.md for what it cannot tell). KL to SFT in nats per response; best-of-n's "
-             f"is the bound log n - (n - 1)/n. Wall time is the whole stage; when the stages run in the pipeline's "
+             f"of them saw (see notes/judge.md for what it cannot tell). KL to SFT in nats per response, estimated "
+             f"from the samples (the sum of log π/π_SFT over each answer's tokens, so a policy close to SFT can show "
+             f"a little below 0); best-of-n's is the bound log n - (n - 1)/n. Wall time is the whole stage; when the stages run in the pipeline's "
              f"own process (the default --launch), the first of them also loads the judge and measures the SFT "
              f"policy (about 10 s on the demo), which the ones after it reuse.", "",
              "| model | RM score | judge | KL | distinct-2 | longest run | ends with [SEP] | mean length | wall time |",
