@@ -281,9 +281,9 @@ def held_out_section(metrics: dict, best_of_n: dict | None = None, times: dict |
              f"instead. Judge: snownlp's sentiment naive Bayes, P(positive), mean ± standard error, a model none "
              f"of them saw (see notes/judge.md for what it cannot tell). KL to SFT in nats per response, estimated "
              f"from the samples (the sum of log π/π_SFT over each answer's tokens, so a policy close to SFT can show "
-             f"a little below 0); best-of-n's is the bound log n - (n - 1)/n. Wall time is the whole stage; when the stages run in the pipeline's "
-             f"own process (the default --launch), the first of them also loads the judge and measures the SFT "
-             f"policy (about 10 s on the demo), which the ones after it reuse.", "",
+             f"a little below 0); best-of-n's is the bound log n - (n - 1)/n. Wall time is the whole stage; when "
+             f"the stages run in the pipeline's own process (the default --launch), the first of them also loads "
+             f"the judge and measures the SFT policy (about 10 s on the demo), which the ones after it reuse.", "",
              "| model | RM score | judge | KL | distinct-2 | longest run | ends with [SEP] | mean length | wall time |",
              "|---|---|---|---|---|---|---|---|---|"]
     for name, m, kl, wall in rows:
