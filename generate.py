@@ -24,9 +24,10 @@ everything else (which checkpoint, truncation notes, the scores of all samples) 
 
 Sampling: ``--temperature 0`` is greedy decoding; otherwise softmax sampling after ``--top_k`` / ``--top_p``
 filtering and ``--repetition_penalty``. The ``--num_samples`` samples of one prompt are drawn in one batched
-``generate`` call. Each prompt of ``--prompt``/``--prompts_file`` starts from the generator seeded with ``--seed``,
-so an answer in a file run is the answer the same prompt gets alone; the interactive session is seeded once, so
-asking again gives a new sample. With ``--reward DIR`` each sample is scored by the reward model on
+``generate`` call. Each prompt of ``--prompt``/``--prompts_file`` starts from the generator seeded with a hash of
+``--seed`` and the prompt (``prompt_seed``), so an answer in a file run is the answer the same prompt gets alone and
+no two prompts share their random draws (best-of-n's samples are independent across prompts); the interactive
+session is seeded once, so asking again gives a new sample. With ``--reward DIR`` each sample is scored by the reward model on
 ``[CLS] prompt [ANS] response [SEP]`` (the text it was trained on) and the best one is kept (best-of-n).
 ``--monitors FILE`` then writes, for best-of-k with k = 1, 2, 4, ... up to n (the best of each prompt's first k
 samples, so one run of n samples measures every k), the monitors of the kept answers (``judge.summarize``: RM
@@ -37,6 +38,7 @@ monitors are compared with.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import sys
@@ -194,6 +196,14 @@ def check_prompt(prompt: str, where: str) -> str:
     if not prompt.strip():
         raise UserError(f"{where} is empty; give some text to continue")
     return prompt
+
+
+def prompt_seed(seed: int, prompt) -> int:
+    """The seed a prompt's samples are drawn with: a hash of ``seed`` and the prompt (text or conversation), so the
+    same prompt gets the same answer alone or anywhere in a file, and different prompts get independent draws."""
+    text = prompt if isinstance(prompt, str) else json.dumps(prompt, ensure_ascii=False)
+    digest = hashlib.sha256(f"{seed}\0{text}".encode("utf-8")).digest()
+    return int.from_bytes(digest[:8], "little") >> 1  # 63 bits: any value torch.manual_seed takes
 
 
 def sample(model, ids: list[int], args, num_samples: int, stream=None) -> list[list[int]]:
@@ -385,7 +395,7 @@ def main(argv=None):
         f"parameters; context {model.cfg.context_length} tokens")
 
     if args.prompt is not None:
-        torch.manual_seed(args.seed)
+        torch.manual_seed(prompt_seed(args.seed, args.prompt))
         print_answer(args.prompt, model, tokenizer, chat, args, reward_model)
     elif prompts is not None:
         try:
@@ -395,7 +405,7 @@ def main(argv=None):
         kept = [] if args.monitors else None
         try:
             for i, prompt in enumerate(prompts, start=1):
-                torch.manual_seed(args.seed)
+                torch.manual_seed(prompt_seed(args.seed, prompt))
                 for row in answer(prompt, model, tokenizer, chat, args, reward_model, kept=kept):
                     out.write(json.dumps(row, ensure_ascii=False) + "\n")
                 out.flush()

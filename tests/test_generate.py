@@ -193,7 +193,7 @@ def test_reward_returns_the_best_scoring_sample(capsys, tmp_path, ckpts, tokeniz
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"prompt": PROMPT}, ensure_ascii=False) + "\n", encoding="utf-8")
     args = ("--checkpoint", ckpts["sft"], "--prompts_file", prompts, "--temperature", 1.0, "--max_new_tokens", 8,
-            "--num_samples", 4, "--seed", 3)
+            "--num_samples", 4, "--seed", 1)
     # the same seed without --reward gives the same 4 samples, one JSON line each
     _, out, _ = cli(capsys, *args)
     samples = [json.loads(line)["response"] for line in out.splitlines()]
@@ -297,6 +297,24 @@ def test_file_answer_equals_single_prompt_answer(capsys, tmp_path, ckpts):
     _, out, _ = cli(capsys, *args, "--prompts_file", prompts)
     rows = [json.loads(line) for line in out.splitlines()]
     assert cli(capsys, *args, "--prompt", PROMPT)[1] == rows[1]["response"] + "\n"
+
+
+def test_prompts_of_a_file_do_not_share_their_random_draws(capsys, tmp_path, tokenizer):
+    """A model that ignores its prompt (all weights 0: uniform next-token probabilities) shows the draws alone: if
+    every prompt restarted the generator from --seed, both prompts would get the same tokens."""
+    blank = GPTModel(TINY)
+    with torch.no_grad():
+        for p in blank.parameters():
+            p.zero_()
+    save_checkpoint(str(tmp_path / "blank"), blank, tokenizer, {"stage": "sft"})
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("第一个问题\n第二个问题\n", encoding="utf-8")
+    args = ("--checkpoint", tmp_path / "blank", "--temperature", 1.0, "--max_new_tokens", 12, "--seed", 5)
+    _, out, _ = cli(capsys, *args, "--prompts_file", prompts)
+    first, second = (json.loads(line)["response"] for line in out.splitlines())
+    assert first and second and first != second
+    assert cli(capsys, *args, "--prompt", "第二个问题")[1] == second + "\n"  # still the answer it gets alone
+    assert gen.prompt_seed(5, "第二个问题") == gen.prompt_seed(5, "第二个问题") != gen.prompt_seed(6, "第二个问题")
 
 
 def test_interactive_loop_streams_answers(capsys, monkeypatch, ckpts, policy, tokenizer):
