@@ -125,7 +125,7 @@ def texts_to_score(args) -> tuple[list[str], list[str]]:
                 prompts.append(r["prompt"] if "prompt" in fields else r.get("prompt", args.prompt))
                 responses.append(r["response"] if "response" in fields else r["text"])
         else:
-            lines = [line for line in read_lines(path) if line.strip()]
+            lines = [line for line in read_lines(path, "--texts_file") if line.strip()]
             if not lines:
                 raise UserError(f"--texts_file {path} holds no text; give one response per line")
             prompts += [args.prompt] * len(lines)
@@ -136,18 +136,27 @@ def texts_to_score(args) -> tuple[list[str], list[str]]:
 # --- scoring entry point ---------------------------------------------------------------------------------------------
 
 def score_main(args) -> int:
-    """``--score``: one reward per text on stdout (``%.6f``, input order); everything else goes to stderr."""
-    model, tokenizer, _ = load_checkpoint(args.checkpoint, "reward")
+    """``--score``: one reward per text on stdout (``%.6f``, input order); everything else goes to stderr.
+    Scores are computed in fp32 unless ``--mixed_precision`` asks for bf16 or fp16 (autocast), so that by default
+    a score does not depend on the machine."""
+    try:
+        model, tokenizer, _ = load_checkpoint(args.checkpoint, "reward")
+    except UserError as e:
+        raise UserError(f"--checkpoint {e}") from e
     prompts, responses = texts_to_score(args)
     if args.max_length and args.max_length > model.cfg.context_length:
         raise UserError(f"--max_length {args.max_length} is longer than the model's context_length "
                         f"{model.cfg.context_length}; lower it")
-    model.to("cuda" if torch.cuda.is_available() else "cpu")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model.to(device)
+    autocast = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.mixed_precision)
     started = time.time()
-    scores = score_texts(model, tokenizer, prompts, responses, args.batch_size or 32, args.max_length)
+    with torch.autocast(device, dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+        scores = score_texts(model, tokenizer, prompts, responses, args.batch_size or 32, args.max_length)
     for s in scores:
         print(f"{s:.6f}")
-    print(f"scored {len(scores)} text(s) with {args.checkpoint} in {time.time() - started:.1f} s", file=sys.stderr)
+    print(f"scored {len(scores)} text(s) with {args.checkpoint} in {time.time() - started:.1f} s "
+          f"({args.mixed_precision if autocast else 'fp32'})", file=sys.stderr)
     return 0
 
 

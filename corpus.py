@@ -63,16 +63,18 @@ def expand_files(patterns, what: str) -> list[str]:
     return files
 
 
-def read_lines(path: str) -> list[str]:
-    """The lines of a UTF-8 text file. Raises ``UserError`` if it is missing or not UTF-8."""
+def read_lines(path: str, what: str = "") -> list[str]:
+    """The lines of a UTF-8 text file. Raises ``UserError`` (naming the flag ``what`` that gave the path, if
+    given) if it is missing or not UTF-8."""
+    where = f"{what} {path}" if what else path
     try:
         with open(path, encoding="utf-8") as f:
             return f.read().splitlines()
     except FileNotFoundError as e:
-        raise UserError(f"{path} not found; fix the path (the default data files come from "
+        raise UserError(f"{where} not found; fix the path (the default data files come from "
                         f"`python data/prepare.py`)") from e
     except UnicodeDecodeError as e:
-        raise UserError(f"{path} is not UTF-8 text (bad byte at offset {e.start}); convert it to UTF-8") from e
+        raise UserError(f"{where} is not UTF-8 text (bad byte at offset {e.start}); convert it to UTF-8") from e
 
 
 def read_records(path: str) -> list[tuple[str, object]]:

@@ -293,7 +293,7 @@ def read_prompts(path: str) -> list:
     if path.endswith((".jsonl", ".json", ".parquet")):
         prompts = read_prompt_files(path, "--prompts_file")
     else:
-        prompts = [line for line in read_lines(path) if line.strip()]
+        prompts = [line for line in read_lines(path, "--prompts_file") if line.strip()]
     if not prompts:
         raise UserError(f"--prompts_file {path} holds no prompt; write one prompt per line")
     return prompts

@@ -375,7 +375,7 @@ def test_default_checkpoint_is_the_latest_stage(capsys, monkeypatch, tmp_path, c
     (["--prompt", "x", "--checkpoint", "{sft}", "--reward", "{sft}"], ["reward model is needed", "2-RM.py"]),
     (["--prompt", "x", "--checkpoint", "{sft}", "--reward", "{root}/none"], ["--reward", "does not exist"]),
     (["--prompt", "x", "--from_hf", "{root}/none"], ["--from_hf", "not a directory"]),
-    (["--prompts_file", "{root}/none.txt", "--checkpoint", "{sft}"], ["none.txt", "not found"]),
+    (["--prompts_file", "{root}/none.txt", "--checkpoint", "{sft}"], ["--prompts_file", "none.txt", "not found"]),
     (["--prompts_file", "{root}/bad.jsonl", "--checkpoint", "{sft}"], ["bad.jsonl", "line 2", "prompt"]),
     (["--prompts_file", "{root}/blank.txt", "--checkpoint", "{sft}"], ["blank.txt", "no prompt"]),
     (["--prompt", "x", "--output", "a.jsonl"], ["--output", "--prompts_file"]),

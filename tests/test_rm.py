@@ -339,6 +339,27 @@ def run_cli(argv):
     return exit_info.value.code
 
 
+@pytest.mark.slow
+def test_score_runs_in_fp32_unless_mixed_precision_asks(trained_rm, tmp_path, capsys):
+    rows = write_jsonl(tmp_path / "t.jsonl", [{"prompt": "评价：", "response": "日月好山水"},
+                                              {"prompt": "评价：", "response": "风云差"}])
+    model, tok, _ = load_checkpoint(str(trained_rm), "reward")
+    fp32 = score_texts(model, tok, ["评价："] * 2, ["日月好山水", "风云差"], batch_size=1)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        bf16 = score_texts(model, tok, ["评价："] * 2, ["日月好山水", "风云差"], batch_size=1)
+    assert max(abs(a - b) for a, b in zip(fp32, bf16)) > 1e-4  # so that ignoring the flag would fail
+    for flag, expected, says in ((["--mixed_precision", "bf16"], bf16, "(bf16)"), ([], fp32, "(fp32)")):
+        assert RM.main(["--score", "--checkpoint", str(trained_rm), "--texts_file", rows, *flag]) == 0
+        out, err = capsys.readouterr()
+        assert [float(s) for s in out.split()] == pytest.approx(expected, abs=2e-6) and says in err
+
+
+def test_score_with_a_language_model_names_the_flag(tiny_pretrain, capsys):
+    assert run_cli(["--score", "--text", "好", "--checkpoint", str(tiny_pretrain)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --checkpoint ") and "reward model is needed" in err and "\n" not in err
+
+
 def test_missing_parent_checkpoint_exits_2(easy_data, tmp_path, capsys):
     out = tmp_path / "rm"
     assert run_cli(rm_args(easy_data, str(tmp_path / "nope"), out)) == 2
@@ -351,6 +372,7 @@ def test_missing_parent_checkpoint_exits_2(easy_data, tmp_path, capsys):
     (["--score"], "--text"),
     (["--text", "好"], "--score"),
     (["--score", "--text", "好", "--checkpoint", "/nonexistent/rm"], "/nonexistent/rm"),
+    (["--score", "--texts_file", "/nonexistent/texts.txt"], "--texts_file /nonexistent/texts.txt"),
 ])
 def test_bad_arguments_are_one_line_errors(argv, says, capsys):
     assert run_cli(argv) == 2
