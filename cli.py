@@ -101,9 +101,10 @@ def probability(text: str) -> float:
     return value
 
 
-def stage_parser(description: str, output_dir: str, defaults: dict) -> ArgumentParser:
+def stage_parser(description: str, output_dir: str, defaults: dict, steps: str = "optimizer steps") -> ArgumentParser:
     """An ``ArgumentParser`` with the flags every training stage shares; ``--help`` ends with the stage's
-    per-preset ``defaults`` (the values used for flags left unset).
+    per-preset ``defaults`` (the values used for flags left unset). ``steps`` names what ``--max_steps`` counts
+    in this stage (PPO and GRPO count iterations: a rollout and the updates on it).
 
     The stage adds its own data and model-source flags (``--init``, ``--policy``/``--reward``) after this.
     """
@@ -114,13 +115,13 @@ def stage_parser(description: str, output_dir: str, defaults: dict) -> ArgumentP
     p = ArgumentParser(description=description, epilog=epilog)
     p.add_argument("--preset", default="demo", choices=sorted(PRESETS),
                    help=f"run length and optimisation (see the end of this help); a new model also takes the "
-                        f"preset's size ({sizes}), a model from --init or a checkpoint keeps its own")
+                        f"preset's size ({sizes}), a model loaded from a checkpoint keeps its own")
     p.add_argument("--output_dir", default=output_dir, help="where the stage checkpoint is written")
     p.add_argument("--overwrite", action="store_true", help="replace an existing checkpoint in --output_dir")
     p.add_argument("--resume", action="store_true", help="continue from --output_dir/state (saved by --save_every)")
     p.add_argument("--seed", type=int, default=1234, help="one seed for weights, data order, dropout, sampling")
     p.add_argument("--max_steps", type=positive_int,
-                   help="length of the whole run in steps (PPO, GRPO: iterations) (default: the preset's)")
+                   help=f"length of the whole run in {steps} (default: the preset's)")
     p.add_argument("--stop_after", type=positive_int,
                    help="run only this many steps now, save a resumable state and exit (continue with --resume)")
     p.add_argument("--batch_size", type=positive_int, help="sequences per process per micro-batch")
