@@ -99,6 +99,12 @@ def dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta: flo
     return losses.mean(), chosen_rewards, rejected_rewards
 
 
+def pairs_right(chosen_rewards, rejected_rewards):
+    """How many of the (b,) pairs rank the chosen answer higher, a tie counting half (a 0-d tensor). At step 0 the
+    policy is its own reference, every implicit reward is exactly 0, and the accuracy reads 50%, chance, not 0%."""
+    return (chosen_rewards > rejected_rewards).sum() + 0.5 * (chosen_rewards == rejected_rewards).sum()
+
+
 def encode_pairs(pairs, tokenizer, max_length: int) -> list[tuple]:
     """Each (prompt, chosen, rejected) through the chat template: ((inputs, labels) chosen, (inputs, labels)
     rejected), response-only labels (see ``corpus.chat_example``); the count of pairs that were cut comes second."""
@@ -123,8 +129,8 @@ def pair_logprobs(model, batch):
 
 @torch.no_grad()
 def evaluate(policy, ref, items, args, accelerator) -> dict:
-    """Mean loss, implicit-reward accuracy (chosen reward > rejected reward) and margin over ``items``, each
-    process taking every ``num_processes``-th pair."""
+    """Mean loss, implicit-reward accuracy (chosen reward > rejected reward, ``pairs_right``) and margin over
+    ``items``, each process taking every ``num_processes``-th pair."""
     was_training = policy.training
     policy.eval()
     totals = torch.zeros(4, device=accelerator.device, dtype=torch.float64)  # loss sum, correct, margin sum, count
@@ -134,7 +140,7 @@ def evaluate(policy, ref, items, args, accelerator) -> dict:
         with accelerator.autocast():
             loss, chosen, rejected = dpo_loss(*pair_logprobs(policy, batch), *pair_logprobs(ref, batch), args.beta,
                                               args.loss)
-        totals += torch.stack([loss * len(chosen), (chosen > rejected).sum(), (chosen - rejected).sum(),
+        totals += torch.stack([loss * len(chosen), pairs_right(chosen, rejected), (chosen - rejected).sum(),
                                torch.tensor(len(chosen), device=chosen.device)]).to(totals)
     if accelerator.num_processes > 1:
         totals = accelerator.reduce(totals, reduction="sum")
@@ -207,7 +213,7 @@ def main(argv=None):
                                                   args.beta, args.loss)
                 stage.backward(loss)
             step_loss += loss.item() / args.gradient_accumulation_steps
-            step_accuracy += (chosen > rejected).float().mean().item() / args.gradient_accumulation_steps
+            step_accuracy += pairs_right(chosen, rejected).item() / len(chosen) / args.gradient_accumulation_steps
             tokens += int(batch["attention_mask"].sum())
         row = {"train_loss": stage.end_step(step_loss, tokens), "train_accuracy": step_accuracy}
         if stage.eval_due:

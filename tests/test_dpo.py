@@ -72,6 +72,7 @@ def test_dpo_learns_an_easy_preference_and_writes_a_gpt(tmp_path, pairs, tiny_po
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text(encoding="utf-8").splitlines()]
     assert config["stage"] == "dpo" and config["model_type"] == "gpt" and config["beta"] == 0.1
     assert rows[0]["step"] == 0 and rows[0]["val_loss"] == pytest.approx(math.log(2), abs=1e-4)  # policy == ref
+    assert rows[0]["val_accuracy"] == 0.5  # every margin is 0: a tie counts half
     assert config["metrics"]["val_accuracy"] > 0.8 and config["metrics"]["val_margin"] > 0
     assert config["metrics"]["val_loss"] < math.log(2)
     model, _, _ = load_checkpoint(str(out), "gpt")  # generate.py and the report read it as any language model
