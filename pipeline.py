@@ -52,7 +52,7 @@ def parse_args(argv=None):
     p.add_argument("--overwrite", action="store_true", help="replace the checkpoints and report of an earlier run")
     p.add_argument("--launch", default=f"{shlex.quote(sys.executable)}",
                    help='how to start each stage, e.g. "accelerate launch --mixed_precision bf16"')
-    p.add_argument("--with-poetry", dest="with_poetry", action="store_true",
+    p.add_argument("--with-poetry", "--with_poetry", dest="with_poetry", action="store_true",
                    help="add the chinese-poetry corpus (about 29M characters) to pretraining")
     p.add_argument("--report_dir", default=default_path("reports"),
                    help="where report.md, its curves and the models' answers are written")

@@ -966,16 +966,24 @@ def build_all(data_dir: Path, cache_dir: Path, with_poetry: bool, log, rebuild_t
     return manifest
 
 
+class OneLineErrors(argparse.ArgumentParser):
+    """Usage errors in one line and exit code 2, as the stage scripts print them (``cli.ArgumentParser``, which
+    this script cannot import: it runs before the project's requirements are installed)."""
+
+    def error(self, message):
+        self.exit(2, f"error: {message}; see {self.prog} --help\n")
+
+
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(
+    p = OneLineErrors(
         description="Download the pinned sources and build data/{tokenizer,pretrain,sft,rm,ppo} and MANIFEST.json.")
     p.add_argument("--data_dir", type=Path, default=SCRIPT_DIR,
                    help="where the outputs go (default: the data/ folder holding this script)")
     p.add_argument("--cache_dir", type=Path, default=None,
                    help="where downloaded archives are kept (default: DATA_DIR/cache)")
-    p.add_argument("--tokenizer-only", dest="tokenizer_only", action="store_true",
+    p.add_argument("--tokenizer-only", "--tokenizer_only", dest="tokenizer_only", action="store_true",
                    help="only build DATA_DIR/tokenizer/ (one small download)")
-    p.add_argument("--with-poetry", dest="with_poetry", action="store_true",
+    p.add_argument("--with-poetry", "--with_poetry", dest="with_poetry", action="store_true",
                    help="also add chinese-poetry@2.0.1 (npm, 85 MB) to the pretraining text")
     p.add_argument("--force", action="store_true", help="rebuild even if the outputs match the manifest")
     p.add_argument("--quiet", action="store_true", help="print nothing on success")

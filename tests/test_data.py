@@ -183,6 +183,12 @@ def test_help():
     assert proc.returncode == 0 and "--tokenizer-only" in proc.stdout and "--data_dir" in proc.stdout
 
 
+def test_a_bad_flag_is_a_one_line_error():
+    proc = run_prepare("--tokenizer-onyl")
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.startswith("error: ") and "--tokenizer-onyl" in proc.stderr and proc.stderr.count("\n") == 1
+
+
 @pytest.mark.parametrize("mode", [[], ["--tokenizer-only"]])
 def test_wrong_sha256_exits_2_and_keeps_outputs(tmp_path, mode):
     data, cache = tmp_path / "data", tmp_path / "cache"
