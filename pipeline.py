@@ -155,7 +155,9 @@ def main(argv=None):
 
     prepare = py + ["data/prepare.py"] + (["--with-poetry"] if args.with_poetry else [])
     times["data"] = step(1, total, "data/prepare.py: real Chinese data from pinned packages", prepare, started)
+    t0 = time.time()
     baselines = compute_baselines(args)
+    times["baselines"] = time.time() - t0
     # Under the plain interpreter (the default --launch) each stage runs in this process: the same command with the
     # same results, without paying the start-up again (importing torch and the rest, and the judge's models: about
     # 4 s each). Any other launcher (accelerate launch, torchrun) starts its own processes.
@@ -331,6 +333,8 @@ def write_report(args, times, answers, best_of_n=None, baselines=None) -> str:
              "| stage | wall time | tokens/s | final metrics |", "|---|---|---|---|",
              f"| data/prepare.py | {times['data']:.0f} s | — | {'already built; ' if times['data'] < 1 else ''}"
              f"see data/MANIFEST.json |",
+             f"| counting baselines | {times.get('baselines', 0):.0f} s | — | token bigram, response bigram and naive "
+             f"Bayes, fitted on the train splits (below) |",
              f"| 0-PRETRAIN | {times['pretrain']:.0f} s | {speed('pretrain')} | val loss "
              f"{fmt(m['pretrain'].get('val_loss'))} (counting baseline: token bigram {fmt(b.get('bigram_val_loss'))}"
              f"), perplexity {fmt(m['pretrain'].get('val_perplexity'), '.1f')} |",
