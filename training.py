@@ -257,6 +257,38 @@ def save_training_state(state_dir: str, optimizer, trainer_state: dict, rng_stat
         json.dump({"trainer": trainer_state, "param_groups": sd["param_groups"], "scalars": scalars}, f, indent=1)
 
 
+# Flags that may differ between a run and its --resume: they decide when to stop, save or overwrite, not what the
+# run computes.
+RESUME_FREE = ("resume", "stop_after", "save_every", "overwrite")
+
+
+def run_settings(args) -> dict:
+    """The settings of a run that a ``--resume`` must repeat for the result to be the run that was saved: every
+    number, bool and word among the parsed arguments (paths are left out: the same file may be named from another
+    folder), except ``RESUME_FREE``."""
+    return {k: v for k, v in sorted(vars(args).items()) if k not in RESUME_FREE
+            and (v is None or isinstance(v, (bool, int, float)) or (isinstance(v, str) and os.sep not in v))}
+
+
+def check_same_settings(saved: dict | None, now: dict, output_dir: str) -> None:
+    """``UserError`` naming each flag whose value differs from the saved run's (a state saved before settings were
+    recorded is not checked)."""
+    if saved is None:
+        return
+    differ = [k for k in saved if k in now and saved[k] != now[k]]
+    if differ:
+        was = " ".join(f"--{k} {saved[k]}" for k in differ)
+        given = ", ".join(f"--{k} {now[k]}" for k in differ)
+        raise UserError(f"--resume: the run in {output_dir} was saved with {was}, not {given}; resume it with "
+                        f"the same flags, or start a new run with --overwrite")
+
+
+def resume_command() -> str:
+    """This run's command line with ``--resume`` added once: what continues it."""
+    command = command_line()
+    return command if " --resume" in f" {command} " else f"{command} --resume"
+
+
 def load_training_state(state_dir: str, optimizer, accelerator) -> dict:
     """Restore what ``save_training_state`` wrote; returns the trainer's counters (step, tokens_seen, ...).
 
@@ -498,9 +530,11 @@ class StageRun:
         return self.step % self.args.eval_every == 0 or self.step == self.args.max_steps
 
     def _resume(self) -> None:
-        """Load the weights, optimizer, RNG, counters and metrics saved in ``--output_dir``."""
+        """Load the weights, optimizer, RNG, counters and metrics saved in ``--output_dir``; refuse (``UserError``)
+        when this run's settings differ from the saved run's, which would make a different run than the one saved."""
         load_weights_into(self.saved, self.args.output_dir)
         trainer = load_training_state(os.path.join(self.args.output_dir, "state"), self.optimizer, self.accelerator)
+        check_same_settings(trainer.get("settings"), run_settings(self.args), self.args.output_dir)
         self.step, self.tokens_seen = trainer["step"], trainer.get("tokens_seen", 0)
         self._tokens_at = self.tokens_seen  # tokens/s counts from here
         self.extra.update({k: trainer[k] for k in self.extra if k in trainer})
@@ -525,7 +559,7 @@ class StageRun:
                 if stop.requested(self.accelerator):
                     self.save(final=False)
                     self.print(f"interrupted at step {self.step}; state saved in {args.output_dir}. Continue with: "
-                               f"{command_line()} --resume")
+                               f"{resume_command()}")
                     self.exit_code = stop.exit_code
                     break
                 if args.save_every and self.step % args.save_every == 0 and self.step < args.max_steps:
@@ -606,7 +640,7 @@ class StageRun:
                     "metrics": {**self.latest_val(), **self.results}, "command": command_line()}
 
             def write_state(state_dir):
-                save_training_state(state_dir, self.optimizer, counters, rng)
+                save_training_state(state_dir, self.optimizer, {**counters, "settings": run_settings(self.args)}, rng)
                 if self.write_state is not None:
                     self.write_state(state_dir)
 
@@ -621,7 +655,8 @@ class StageRun:
             return self.exit_code
         if not self.completed:
             self.save(final=False)
-            self.accelerator.print(f"stopped after step {self.step} of {self.args.max_steps}; continue with --resume")
+            self.accelerator.print(f"stopped after step {self.step} of {self.args.max_steps}; continue with: "
+                                   f"{resume_command()}")
             return 0
         self.save(final=True)
         self.accelerator.print(f"saved {self.args.output_dir} (step {self.step}, {self.tokens_seen:,} tokens, "

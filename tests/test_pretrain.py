@@ -306,6 +306,13 @@ def test_resume_is_bit_identical_to_a_straight_run(tmp_path, tiny_corpus):
     first = pretrain(resumed, tiny_corpus, *args, "--stop_after", "3")
     assert first.returncode == 0, first.stderr[-1500:]
     assert (resumed / "state" / "optimizer.safetensors").exists()
+    assert "--stop_after 3 --resume" in first.stdout  # the hint is the whole command that continues the run
+    # a resume with other settings would be another run than the one saved: refused, the state kept
+    other = pretrain(resumed, tiny_corpus, "--max_steps", "8", "--eval_every", "2", "--preset", "tiny",
+                     "--learning_rate", "0.01", "--resume")
+    assert other.returncode == 2 and len(other.stderr.strip().splitlines()) == 1
+    assert "--learning_rate" in other.stderr and "--max_steps 6" in other.stderr and "--overwrite" in other.stderr
+    assert (resumed / "state" / "optimizer.safetensors").exists()
     second = pretrain(resumed, tiny_corpus, *args, "--resume")
     assert second.returncode == 0, second.stderr[-1500:]
     a, b = load_file(straight / "model.safetensors"), load_file(resumed / "model.safetensors")
