@@ -94,6 +94,13 @@ def non_negative_float(text: str) -> float:
     return value
 
 
+def unit_interval(text: str) -> float:
+    value = float(text)
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1], got {text}")
+    return value
+
+
 def probability(text: str) -> float:
     value = float(text)
     if not 0.0 < value <= 1.0:

@@ -144,6 +144,11 @@ def main(argv=None):
     launch = shlex.split(args.launch)
     if not launch:
         raise UserError('--launch is empty; give a command such as "python" or "accelerate launch"')
+    if shutil.which(launch[0]) is None:
+        raise UserError(f"--launch {args.launch}: cannot find the command {launch[0]!r}; give one that runs here, "
+                        f"such as \"python\" or \"accelerate launch\"")
+    if os.path.exists(args.report_dir) and not os.path.isdir(args.report_dir):
+        raise UserError(f"--report_dir {args.report_dir} is a file; give a folder for the report")
     existing = [d for d in CHECKPOINTS.values() if os.path.exists(os.path.join(ROOT, d, "config.json"))]
     if existing and not args.overwrite:
         raise UserError(f"an earlier run's checkpoints exist ({', '.join(existing)}); to keep them, move them away "

@@ -106,3 +106,18 @@ def test_in_process_stages_each_start_their_own_accelerate_state():
     assert pipeline.in_process(stage("no"), []) == 0
     assert made == ["bf16", "no"]
     pipeline.in_process(lambda argv: None, [])  # leave no state behind for the tests that follow
+
+
+@pytest.mark.parametrize("argv, says", [
+    (["--launch", ""], "--launch is empty"),
+    (["--launch", "no-such-launcher-here --x"], "--launch no-such-launcher-here"),
+    (["--report_dir", "{file}"], "is a file"),
+])
+def test_bad_arguments_stop_before_anything_runs(tmp_path, monkeypatch, argv, says):
+    """Each is refused before data/prepare.py or any stage starts (step would be the first thing to run them)."""
+    (tmp_path / "file").write_text("not a folder", encoding="utf-8")
+    started = []
+    monkeypatch.setattr(pipeline, "step", lambda *a, **k: started.append(a))
+    with pytest.raises(pipeline.UserError, match=says):
+        pipeline.main([a.format(file=tmp_path / "file") for a in argv] + ["--overwrite"])
+    assert started == []
