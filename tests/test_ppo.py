@@ -289,3 +289,15 @@ def test_held_out_monitors_measure_the_same_models_once(tokenizer, monkeypatch):
         next(policy.parameters()).add_(0.01)
     held_out()
     assert len(calls) == 4
+
+
+@pytest.mark.parametrize("script, argv, says", [
+    ("3-PPO.py", ["--gamma", "2"], "--gamma: must be in [0, 1], got 2"),
+    ("3-PPO.py", ["--lam", "-0.5"], "--lam: must be in [0, 1], got -0.5"),
+    ("3-PPO.py", ["--cliprange", "5"], "--cliprange: must be in (0, 1], got 5"),
+    ("3-GRPO.py", ["--cliprange", "1.5"], "--cliprange: must be in (0, 1], got 1.5"),
+])
+def test_out_of_range_rl_settings_are_refused(tmp_path, script, argv, says):
+    result = run_script(script, "--preset", "tiny", *argv, "--output_dir", tmp_path / "out")
+    assert result.returncode == 2 and says in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "out").exists()
