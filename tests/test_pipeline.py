@@ -62,6 +62,8 @@ def test_aligned_summary_names_the_stage_and_dpo_pairs():
     cell = pipeline.aligned_summary("dpo", metrics, fmt)
     assert cell == ("val implicit-reward accuracy 0.800; held-out RM score 0.500 (SFT) → 1.250, judge 0.600 → "
                     "0.750, KL 2.00 nats/response")
+    assert pipeline.aligned_summary("dpo", metrics, fmt, {"step": 0, "val_accuracy": 0.5}).startswith(
+        "val implicit-reward accuracy 0.500 → 0.800; held-out")  # from step 0 (chance) to the end
     assert pipeline.aligned_summary("grpo", {}, fmt).startswith("held-out RM score — (SFT) → —")
 
 
