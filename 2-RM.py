@@ -139,10 +139,7 @@ def score_main(args) -> int:
     """``--score``: one reward per text on stdout (``%.6f``, input order); everything else goes to stderr.
     Scores are computed in fp32 unless ``--mixed_precision`` asks for bf16 or fp16 (autocast), so that by default
     a score does not depend on the machine."""
-    try:
-        model, tokenizer, _ = load_checkpoint(args.checkpoint, "reward")
-    except UserError as e:
-        raise UserError(f"--checkpoint {e}") from e
+    model, tokenizer, _ = load_checkpoint(args.checkpoint, "reward", flag="--checkpoint")
     prompts, responses = texts_to_score(args)
     if args.max_length and args.max_length > model.cfg.context_length:
         raise UserError(f"--max_length {args.max_length} is longer than the model's context_length "

@@ -305,7 +305,7 @@ def load_policy_and_reward(args, tokenizer, device):
     if not os.path.isfile(os.path.join(args.reward, "config.json")):
         raise UserError(f"--reward {args.reward}: no checkpoint there; train the reward model with 2-RM.py first "
                         f"or point --reward at one")
-    reward_model, _, _ = load_checkpoint(args.reward, "reward")
+    reward_model, _, _ = load_checkpoint(args.reward, "reward", flag="--reward")
     if reward_model.cfg.vocab_size != policy.cfg.vocab_size:
         raise UserError(f"--reward {args.reward} has vocab_size {reward_model.cfg.vocab_size} but --policy "
                         f"{args.policy} has {policy.cfg.vocab_size}; train both from the same tokenizer")

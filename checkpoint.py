@@ -143,16 +143,18 @@ def read_config(path: str) -> dict:
         raise UserError(f"{config_path} is not valid JSON ({e}); the checkpoint is damaged, re-run its stage") from e
 
 
-def load_checkpoint(path: str, model_type: str | None = None, expect_vocab_size: int | None = None):
+def load_checkpoint(path: str, model_type: str | None = None, expect_vocab_size: int | None = None, flag: str = ""):
     """Load a stage checkpoint: ``(model, tokenizer, config)``, the model in eval mode on the CPU.
 
     Args:
         model_type: "gpt" (a language model: pretrain, SFT or PPO) or "reward" to insist on one; "backbone" takes
             either and returns the ``GPTModel`` (a reward model's backbone); None returns what was saved.
         expect_vocab_size: fail if the checkpoint's vocabulary differs.
+        flag: the command-line flag that named ``path`` (e.g. "--reward"), for the wrong-kind message.
     Raises:
         UserError: missing or damaged files, the wrong kind of model, or weights that do not fit the config.
     """
+    where = f"{flag} {path}" if flag else path
     config = read_config(path)
     try:
         cfg = GPTConfig.from_dict(config["model"])
@@ -163,10 +165,10 @@ def load_checkpoint(path: str, model_type: str | None = None, expect_vocab_size:
                         f"use a checkpoint trained with the same tokenizer")
     saved_type = config.get("model_type", "gpt")
     if model_type == "reward" and saved_type != "reward":
-        raise UserError(f"{path} is a '{saved_type}' checkpoint but a reward model is needed; "
+        raise UserError(f"{where} is a language model, but a reward model is needed; "
                         f"pass a checkpoint written by 2-RM.py")
     if model_type == "gpt" and saved_type == "reward":
-        raise UserError(f"{path} is a reward model, but a language model is needed here; pass a checkpoint "
+        raise UserError(f"{where} is a reward model, but a language model is needed here; pass a checkpoint "
                         f"written by 0-PRETRAIN.py, 1-SFT.py or an alignment stage (3-PPO.py, 3-DPO.py, 3-GRPO.py)")
     model = MODEL_TYPES[saved_type](cfg)
     weights = os.path.join(path, MODEL_FILE)
@@ -219,7 +221,7 @@ def load_backbone(path: str, flag: str, tokenizer, written_by: str, kind: str = 
     if not os.path.isfile(os.path.join(path, CONFIG_FILE)):
         raise UserError(f"{flag} {path}: no checkpoint there (missing {CONFIG_FILE}); run `python {written_by}` "
                         f"first, or pass {flag} DIR")
-    model, _, _ = load_checkpoint(path, kind, expect_vocab_size=len(tokenizer))
+    model, _, _ = load_checkpoint(path, kind, expect_vocab_size=len(tokenizer), flag=flag)
     model.train()
     return model, parent_meta(path)
 

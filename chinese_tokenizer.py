@@ -84,7 +84,8 @@ def load_tokenizer(path: str) -> BertTokenizerFast:
         return _with_concatenating_decoder(tokenizer)
     if os.path.isfile(os.path.join(path, "vocab.txt")):
         return build_tokenizer(os.path.join(path, "vocab.txt"))
-    raise TokenizerError(f"no tokenizer in {path}; run `python data/prepare.py` (it writes data/tokenizer/)")
+    raise TokenizerError(f"no tokenizer in {path}; run `python data/prepare.py` (it writes data/tokenizer/), or "
+                         f"point --tokenizer at a folder holding one")
 
 
 def _check(tokenizer: BertTokenizerFast, where: str) -> None:

@@ -142,7 +142,7 @@ def load_policy(args):
     if read_config(path).get("model_type") == "reward":
         raise UserError(f"--checkpoint {path} is a reward model; generate from a pretrain/SFT/PPO/DPO/GRPO checkpoint "
                         f"and pass this one as --reward")
-    model, tokenizer, config = load_checkpoint(path, "gpt")
+    model, tokenizer, config = load_checkpoint(path, "gpt", flag="--checkpoint")
     stage = config.get("stage", "unknown")
     chat = stage in CHAT_STAGES and not args.raw
     log(f"loaded {path} (stage {stage}): {'chat template' if chat else 'plain continuation'}")
@@ -155,12 +155,12 @@ def check_reward_dir(path: str) -> None:
         raise UserError(f"--reward {path} does not exist; give a directory written by 2-RM.py")
     model_type = read_config(path).get("model_type", "gpt")
     if model_type != "reward":
-        raise UserError(f"--reward {path} is a '{model_type}' checkpoint but a reward model is needed; "
+        raise UserError(f"--reward {path} is a language model, but a reward model is needed; "
                         f"pass a checkpoint written by 2-RM.py")
 
 
 def load_reward(path: str, vocab_size: int):
-    model, _, _ = load_checkpoint(path, "reward", expect_vocab_size=vocab_size)
+    model, _, _ = load_checkpoint(path, "reward", expect_vocab_size=vocab_size, flag="--reward")
     return model
 
 

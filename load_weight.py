@@ -455,7 +455,10 @@ def import_tokenizer(hf_dir: str, explicit: str | None):
 def main(argv=None):
     args = parse_args(argv)
     if args.checkpoint:
-        model, tokenizer, _ = load_checkpoint(args.checkpoint, "gpt")
+        if os.path.exists(args.to_hf) and not args.overwrite:
+            raise UserError(f"--to_hf {args.to_hf} already exists; pass --overwrite to replace it, or choose another "
+                            f"directory")
+        model, tokenizer, _ = load_checkpoint(args.checkpoint, "gpt", flag="--checkpoint")
         save_hf_gpt2(model, args.to_hf, tokenizer, overwrite=args.overwrite)
         print(f"wrote {args.to_hf} (GPT2LMHeadModel.from_pretrained and AutoTokenizer.from_pretrained load it)")
         return 0

@@ -431,7 +431,7 @@ def test_cli_round_trip_through_a_stage_checkpoint(tmp_path, uer_like):
 
     done = subprocess.run([sys.executable, script, "--checkpoint", str(ck), "--to_hf", str(out)],
                           capture_output=True, text=True, cwd=tmp_path, timeout=300)
-    assert done.returncode == 2 and done.stderr.startswith("error: ") and "--overwrite" in done.stderr
+    assert done.returncode == 2 and done.stderr.startswith("error: --to_hf ") and "--overwrite" in done.stderr
 
 
 @pytest.mark.slow

@@ -202,6 +202,18 @@ def test_reward_checkpoint_required_where_a_reward_model_is_needed(tmp_path, tok
     save_checkpoint(str(out), tiny_model(), tokenizer, {"stage": "sft"})
     with pytest.raises(UserError, match="reward model is needed"):
         load_checkpoint(str(out), "reward")
+    with pytest.raises(UserError, match=r"^--reward \S+ is a language model, but a reward model is needed"):
+        load_checkpoint(str(out), "reward", flag="--reward")  # the aligners' --reward, generate.py's --reward
+
+
+def test_a_stage_names_the_flag_of_a_checkpoint_of_the_wrong_kind(tmp_path, tokenizer):
+    """--init of the SFT stage given a reward model, through the stages' load_backbone."""
+    from checkpoint import load_backbone
+    from gpt_model import RewardModel
+    out = tmp_path / "rm"
+    save_checkpoint(str(out), RewardModel(tiny_model().cfg), tokenizer, {"stage": "rm"})
+    with pytest.raises(UserError, match=r"^--init \S+ is a reward model, but a language model is needed"):
+        load_backbone(str(out), "--init", tokenizer, "0-PRETRAIN.py")
 
 
 def test_a_reward_model_is_not_a_language_model(tmp_path, tokenizer):
