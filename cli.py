@@ -108,10 +108,12 @@ def probability(text: str) -> float:
     return value
 
 
-def stage_parser(description: str, output_dir: str, defaults: dict, steps: str = "optimizer steps") -> ArgumentParser:
+def stage_parser(description: str, output_dir: str, defaults: dict, steps: str = "optimizer steps",
+                 new_model: bool = False) -> ArgumentParser:
     """An ``ArgumentParser`` with the flags every training stage shares; ``--help`` ends with the stage's
     per-preset ``defaults`` (the values used for flags left unset). ``steps`` names what ``--max_steps`` counts
-    in this stage (PPO and GRPO count iterations: a rollout and the updates on it).
+    in this stage (PPO and GRPO count iterations: a rollout and the updates on it); ``new_model`` says that the
+    stage can build a model of the preset's size (pretraining), so ``--preset``'s help lists the sizes.
 
     The stage adds its own data and model-source flags (``--init``, ``--policy``/``--reward``) after this.
     """
@@ -120,9 +122,10 @@ def stage_parser(description: str, output_dir: str, defaults: dict, steps: str =
     epilog = "defaults per --preset (any flag overrides):\n" + "\n".join(
         f"  {name}: " + ", ".join(f"--{k} {v}" for k, v in values.items()) for name, values in defaults.items())
     p = ArgumentParser(description=description, epilog=epilog)
+    size = (f"; a new model also takes the preset's size ({sizes}), a model loaded from a checkpoint keeps its own"
+            if new_model else "; the model keeps the size of the checkpoint it starts from")
     p.add_argument("--preset", default="demo", choices=sorted(PRESETS),
-                   help=f"run length and optimisation (see the end of this help); a new model also takes the "
-                        f"preset's size ({sizes}), a model loaded from a checkpoint keeps its own")
+                   help=f"run length and optimisation (see the end of this help){size}")
     p.add_argument("--output_dir", default=output_dir, help="where the stage checkpoint is written")
     p.add_argument("--overwrite", action="store_true", help="replace an existing checkpoint in --output_dir")
     p.add_argument("--resume", action="store_true", help="continue from --output_dir/state (saved by --save_every)")
