@@ -58,8 +58,8 @@ def parse_args(argv=None):
                            "updates on them)")
     p.add_argument("--policy", default=default_path("checkpoints", "sft"), help="SFT checkpoint: policy and reference")
     p.add_argument("--prompts_file", default=default_path("data", "ppo", "prompts.jsonl"),
-                   help='.jsonl lines with a "prompt" (or alpaca / "messages" records, corpus.prompt_of): what the '
-                        'policy answers')
+                   help='.jsonl lines with a "prompt" (or alpaca / "messages" records, corpus.prompt_of), or a .txt '
+                        'file of one prompt per line: what the policy answers')
     add_held_out_arguments(p, "GRPO")
     p.add_argument("--rollout_size", type=positive_int, help="prompts per iteration (per process)")
     p.add_argument("--group_size", type=positive_int, help="G, responses sampled per prompt (at least 2)")

@@ -75,8 +75,8 @@ def parse_args(argv=None):
                      steps="PPO iterations (a rollout of --rollout_size prompts, then the updates on it)")
     p.add_argument("--policy", default=default_path("checkpoints", "sft"), help="SFT checkpoint: policy and reference")
     p.add_argument("--prompts_file", default=default_path("data", "ppo", "prompts.jsonl"),
-                   help='.jsonl lines with a "prompt" (or alpaca / "messages" records, corpus.prompt_of): what the '
-                        'policy answers')
+                   help='.jsonl lines with a "prompt" (or alpaca / "messages" records, corpus.prompt_of), or a .txt '
+                        'file of one prompt per line: what the policy answers')
     add_held_out_arguments(p, "PPO")
     p.add_argument("--rollout_size", type=positive_int, help="prompts sampled per iteration (per process)")
     p.add_argument("--ppo_epochs", type=positive_int, default=4, help="passes over each rollout batch")

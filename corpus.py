@@ -314,10 +314,17 @@ def prompt_of(where: str, row):
 
 def read_prompt_files(patterns, what: str) -> list:
     """The prompts in the files matching ``patterns`` (PPO's and GRPO's practice prompts, every aligner's held-out
-    ones), in file order; see ``prompt_of`` for the records. Raises ``UserError`` naming the file and line of a
-    bad record, or a file with none."""
+    ones), in file order: a ``.txt`` file holds one prompt per line (blank lines skipped), as ``generate.py`` reads
+    it; see ``prompt_of`` for the records of the others. Raises ``UserError`` naming the file and line of a bad
+    record, or a file with none."""
     prompts = []
     for path in expand_files(patterns, what):
+        if path.endswith(".txt"):
+            lines = [line for line in read_lines(path, what) if line.strip()]
+            if not lines:
+                raise UserError(f"{what} {path} holds no prompt; write one prompt per line")
+            prompts += lines
+            continue
         records = read_records(path)
         if not records:
             raise UserError(f"{path} holds no rows; expected JSON lines with a 'prompt' (or alpaca / messages "

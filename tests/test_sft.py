@@ -215,6 +215,12 @@ def test_prompt_records_of_the_alignment_stages(tmp_path, tokenizer):
                                                                                "content": "y"}]}])
     with pytest.raises(UserError, match="bad.jsonl line 2: "):
         read_prompt_files(str(bad), "--prompts_file")
+    text = tmp_path / "p.txt"  # one prompt per line, as generate.py --prompts_file reads it
+    text.write_text("写诗\n\n  \n翻译 你好\n", encoding="utf-8")
+    assert read_prompt_files(str(text), "--prompts_file") == ["写诗", "翻译 你好"]
+    (tmp_path / "blank.txt").write_text("\n \n", encoding="utf-8")
+    with pytest.raises(UserError, match="--prompts_file .*blank.txt holds no prompt"):
+        read_prompt_files(str(tmp_path / "blank.txt"), "--prompts_file")
 
 
 def test_messages_need_content_and_a_system_field_opens_them(tmp_path):
