@@ -118,16 +118,21 @@ def texts_to_score(args) -> tuple[list[str], list[str]]:
     if args.texts_file:
         path = args.texts_file
         if not os.path.isfile(path):
-            raise UserError(f"--texts_file {path} not found; give a text file (one response per line) or a .jsonl")
+            what = "is a folder" if os.path.isdir(path) else "not found"
+            raise UserError(f"--texts_file {path} {what}; give a text file (one response per line) or a .jsonl")
         if path.endswith(".jsonl"):
             fields = ("prompt", "response") if "response" in read_jsonl(path, ())[0] else ("text",)
             for r in read_jsonl(path, fields):
                 prompts.append(r["prompt"] if "prompt" in fields else r.get("prompt", args.prompt))
                 responses.append(r["response"] if "response" in fields else r["text"])
         else:
-            lines = [line for line in read_lines(path, "--texts_file") if line.strip()]
+            every = read_lines(path, "--texts_file")
+            lines = [line for line in every if line.strip()]
             if not lines:
                 raise UserError(f"--texts_file {path} holds no text; give one response per line")
+            if len(lines) < len(every):  # the scores follow the non-blank lines, so say where they stop lining up
+                print(f"note: skipped {len(every) - len(lines)} blank line(s) of {path}; one score per non-blank line",
+                      file=sys.stderr)
             prompts += [args.prompt] * len(lines)
             responses += lines
     return prompts, responses
