@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import gc
 import json
+import math
 import os
 import shlex
 import shutil
@@ -27,7 +28,7 @@ import generate
 from chinese_tokenizer import load_tokenizer
 from cli import ArgumentParser, UserError, default_path, run
 from gpt_model import PRESETS
-from judge import distinct_n, longest_repeat
+from judge import distinct_n, longest_repeat, reward_hacking_flag
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 CHECKPOINTS = {"pretrain": "checkpoints/pretrain", "sft": "checkpoints/sft", "rm": "checkpoints/rm",
@@ -271,9 +272,12 @@ def held_out_section(metrics: dict, best_of_n: dict | None = None, times: dict |
     settings = metrics.get("ppo", {}).get("held_out_settings", {})
     sft = metrics[aligned[0]]["held_out"]["sft"]
     rows = [("SFT", sft, f"{sft['kl']:.2f}", "—")]
-    for n in BEST_OF if best_of_n else ():
+    best_of_n = best_of_n or {}
+    first = best_of_n.get("1")  # best-of-n's own starting point: the first of the same samples, no RM
+    for n in [1] * (first is not None) + list(BEST_OF if best_of_n else ()):
         m = best_of_n[str(n)]
-        rows.append((f"best-of-{n} (SFT + RM)", m, f"≤ {m['kl_bound']:.2f}",
+        rows.append((f"best-of-{n} (SFT + RM)" if n > 1 else "best-of-1 (SFT, its first sample)", m,
+                     f"≤ {m['kl_bound']:.2f}",
                      f"{times['best_of_n']:.0f} s (one run of {max(BEST_OF)})" if "best_of_n" in times else "—"))
     for stage in aligned:
         m = metrics[stage]["held_out"][stage]
@@ -284,7 +288,8 @@ def held_out_section(metrics: dict, best_of_n: dict | None = None, times: dict |
              f"temperature {settings.get('temperature', '?')}, up to {settings.get('max_new_tokens', '?')} tokens; "
              f"SFT, PPO, DPO and GRPO on the same draws of randomness. Best-of-n trains nothing: the RM keeps the "
              f"best of n answers that generate.py samples from the SFT model, one kept per prompt (so its standard "
-             f"errors are wider). The RM is the one PPO and GRPO maximise; DPO learnt from the RM's training pairs "
+             f"errors are wider); its best-of-1 row is the first of the same samples, what best-of-n starts from. "
+             f"The RM is the one PPO and GRPO maximise; DPO learnt from the RM's training pairs "
              f"instead. Judge: snownlp's sentiment naive Bayes, P(positive), mean ± standard error, a model none "
              f"of them saw (see notes/judge.md for what it cannot tell). KL to SFT in nats per response, estimated "
              f"from the samples (the sum of log π/π_SFT over each answer's tokens, so a policy close to SFT can show "
@@ -298,12 +303,20 @@ def held_out_section(metrics: dict, best_of_n: dict | None = None, times: dict |
                      f"{m['judge_se']:.3f} | {kl} | {m['distinct_2']:.3f} | {m['longest_run']:.1f} | "
                      f"{m['eos_share']:.0%} | {m['length']:.1f} | {wall} |")
     lines.append("")
+    kl_limit = metrics[aligned[0]].get("kl_limit", "?")
+    no_sign = ("no sign of reward hacking: none of the RM up with the judge down, repetition collapsing, fewer "
+               "answers ending, KL past {} nats")
+    for n in BEST_OF if best_of_n else ():
+        m = best_of_n[str(n)]  # judged against its own first samples where there are, else against the SFT row
+        flag = reward_hacking_flag(first or sft, {**m, "kl": m["kl_bound"]},
+                                   kl_limit if isinstance(kl_limit, (int, float)) else math.inf)
+        lines.append(f"- best-of-{n}: " + (f"**{flag}**" if flag else no_sign.format(kl_limit) +
+                                           (", against best-of-1." if first is not None else ".")))
     for stage in aligned:
         differs = abs(metrics[stage]["held_out"]["sft"]["rm_score"] - sft["rm_score"]) > 1e-3
         flag = metrics[stage].get("reward_hacking")
         lines.append(f"- {stage.upper()}: " + (f"**{flag}**" if flag else
-                     f"no sign of reward hacking: none of the RM up with the judge down, repetition collapsing, "
-                     f"fewer answers ending, KL past {metrics[stage].get('kl_limit', '?')} nats.") +
+                     no_sign.format(metrics[stage].get('kl_limit', '?')) + ".") +
                      (" (Its SFT measurement differs from the table's: the stages' held-out settings differ.)"
                       if differs else ""))
     return lines + [""]

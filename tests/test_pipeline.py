@@ -123,3 +123,22 @@ def test_bad_arguments_stop_before_anything_runs(tmp_path, monkeypatch, argv, sa
     with pytest.raises(pipeline.UserError, match=says):
         pipeline.main([a.format(file=tmp_path / "file") for a in argv] + ["--overwrite"])
     assert started == []
+
+
+def test_best_of_n_rows_start_from_best_of_1_and_are_flagged_like_the_stages():
+    """best-of-1 (the first of the same samples) gets its own row and is what best-of-4/16 are judged against; a
+    best-of-16 whose answers stop ending is flagged as the aligners would be."""
+    metrics = {"ppo": {"held_out": {"sft": MONITORS, "ppo": MONITORS}, "kl_limit": 3.0, "reward_hacking": ""}}
+    first = {**best_of(1, 0.4), "eos_share": 0.6}
+    best = {"1": first, "4": {**best_of(4, 1.0), "eos_share": 0.55},
+            "16": {**best_of(16, 1.8), "eos_share": 0.2}}  # 60% -> 20% ending: more than the 15-point allowance
+    lines = pipeline.held_out_section(metrics, best, {"best_of_n": 30.0})
+    names = [line.split(" | ")[0] for line in lines if line.startswith("| ") and not line.startswith("| model")]
+    assert names == ["| SFT", "| best-of-1 (SFT, its first sample)", "| best-of-4 (SFT + RM)",
+                     "| best-of-16 (SFT + RM)", "| PPO"]
+    text = "\n".join(lines)
+    assert "- best-of-4: no sign of reward hacking" in text and "against best-of-1." in text
+    assert "- best-of-16: **reward hacking suspected: fewer answers end: 60% -> 20% end with [SEP].**" in text
+    # SFT's row ends 25%: judged against it instead, best-of-16's 20% would pass, so the pairing is what is tested
+    assert "- best-of-16: no sign" in "\n".join(pipeline.held_out_section(metrics, {k: v for k, v in best.items()
+                                                                                    if k != "1"}))
