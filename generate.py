@@ -138,7 +138,9 @@ def load_policy(args):
         path = find_latest_checkpoint()
         log(f"using {path} (the latest stage found; pass --checkpoint to choose another)")
     elif not os.path.isdir(path):
-        raise UserError(f"--checkpoint {path} does not exist; give a directory written by a stage script")
+        what = f"is a file, not a checkpoint folder; give its folder {os.path.dirname(path) or '.'}" \
+            if os.path.isfile(path) else "does not exist; give a directory written by a stage script"
+        raise UserError(f"--checkpoint {path} {what}")
     if read_config(path).get("model_type") == "reward":
         raise UserError(f"--checkpoint {path} is a reward model; generate from a pretrain/SFT/PPO/DPO/GRPO checkpoint "
                         f"and pass this one as --reward")

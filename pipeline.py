@@ -354,7 +354,8 @@ def write_report(args, times, answers, best_of_n=None, baselines=None) -> str:
              f"| data/prepare.py | {times['data']:.0f} s | — | {'already built; ' if times['data'] < 1 else ''}"
              f"see data/MANIFEST.json |",
              f"| counting baselines | {times.get('baselines', 0):.0f} s | — | token bigram, response bigram and naive "
-             f"Bayes, fitted on the train splits (below) |",
+             f"Bayes (`baselines.py`), fitted on the train splits; each is shown beside the figure it bounds, and "
+             f"explained under the table |",
              f"| 0-PRETRAIN | {times['pretrain']:.0f} s | {speed('pretrain')} | val loss "
              f"{fmt(m['pretrain'].get('val_loss'))} (counting baseline: token bigram {fmt(b.get('bigram_val_loss'))}"
              f"), perplexity {fmt(m['pretrain'].get('val_perplexity'), '.1f')} |",

@@ -370,6 +370,7 @@ def test_default_checkpoint_is_the_latest_stage(capsys, monkeypatch, tmp_path, c
     (["--prompt", ""], ["--prompt", "empty"]),
     (["--prompt", " \n\t "], ["--prompt", "empty"]),
     (["--prompt", "x", "--checkpoint", "{root}/missing"], ["--checkpoint", "missing", "does not exist"]),
+    (["--prompt", "x", "--checkpoint", "{sft}/config.json"], ["--checkpoint", "is a file", "give its folder"]),
     (["--prompt", "x", "--checkpoint", "{root}"], ["no checkpoint at", "config.json"]),
     (["--prompt", "x", "--checkpoint", "{rm}"], ["reward model", "--reward"]),
     (["--prompt", "x", "--checkpoint", "{sft}", "--reward", "{sft}"], ["reward model is needed", "2-RM.py"]),
