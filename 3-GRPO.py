@@ -26,7 +26,7 @@ from alignment import (ROLLOUT_MONITORS, add_held_out_arguments, as_val_row, des
                        read_prompts, record_held_out, rollout, token_logprobs)
 from checkpoint import check_output_dir
 from chinese_tokenizer import load_tokenizer
-from cli import UserError, default_path, fill_defaults, non_negative_float, positive_int, probability, run, \
+from cli import UserError, default_path, fill_defaults, non_negative_float, positive_float, positive_int, run, \
     stage_parser
 from judge import SentimentJudge
 from training import BatchSchedule, StageRun, make_accelerator, make_optimizer
@@ -68,7 +68,7 @@ def parse_args(argv=None):
     p.add_argument("--kl_coef", type=non_negative_float,
                    help="beta, the weight of the per-token KL estimate to the reference (0.04 in the paper; default: "
                         "the preset's)")
-    p.add_argument("--cliprange", type=probability, default=0.2, help="ratio clip epsilon, in (0, 1]")
+    p.add_argument("--cliprange", type=positive_float, default=0.2, help="ratio clip epsilon")
     p.add_argument("--no_eos_penalty", type=non_negative_float, default=1.0,
                    help="subtracted from the RM score of a response that reaches --max_new_tokens without [SEP]")
     args = p.parse_args(argv)

@@ -41,8 +41,8 @@ from alignment import (KL_LIMIT, ROLLOUT_MONITORS, add_held_out_arguments, as_va
                        read_prompts, record_held_out, rollout, token_logprobs)
 from checkpoint import check_output_dir
 from chinese_tokenizer import load_tokenizer
-from cli import default_path, fill_defaults, non_negative_float, positive_float, positive_int, probability, run, \
-    stage_parser, unit_interval
+from cli import default_path, fill_defaults, non_negative_float, positive_float, positive_int, run, stage_parser, \
+    unit_interval
 from gpt_model import RewardModel, last_real_index
 from judge import SentimentJudge
 from training import (BatchSchedule, StageRun, make_accelerator, make_optimizer,
@@ -96,7 +96,7 @@ def parse_args(argv=None):
                         "the updated one passes this many nats per token (0: never stop early)")
     p.add_argument("--gamma", type=unit_interval, default=1.0, help="discount, in [0, 1]")
     p.add_argument("--lam", type=unit_interval, default=0.95, help="GAE lambda, in [0, 1]")
-    p.add_argument("--cliprange", type=probability, default=0.2, help="PPO ratio clip epsilon, in (0, 1]")
+    p.add_argument("--cliprange", type=positive_float, default=0.2, help="PPO ratio clip epsilon")
     p.add_argument("--cliprange_value", type=positive_float, default=0.2, help="value clip")
     p.add_argument("--vf_coef", type=positive_float, default=0.5, help="weight of the value loss")
     args = p.parse_args(argv)

@@ -294,8 +294,6 @@ def test_held_out_monitors_measure_the_same_models_once(tokenizer, monkeypatch):
 @pytest.mark.parametrize("script, argv, says", [
     ("3-PPO.py", ["--gamma", "2"], "--gamma: must be in [0, 1], got 2"),
     ("3-PPO.py", ["--lam", "-0.5"], "--lam: must be in [0, 1], got -0.5"),
-    ("3-PPO.py", ["--cliprange", "5"], "--cliprange: must be in (0, 1], got 5"),
-    ("3-GRPO.py", ["--cliprange", "1.5"], "--cliprange: must be in (0, 1], got 1.5"),
 ])
 def test_out_of_range_rl_settings_are_refused(tmp_path, script, argv, says):
     result = run_script(script, "--preset", "tiny", *argv, "--output_dir", tmp_path / "out")
