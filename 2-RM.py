@@ -144,8 +144,8 @@ def score_main(args) -> int:
     """``--score``: one reward per text on stdout (``%.6f``, input order); everything else goes to stderr.
     Scores are computed in fp32 unless ``--mixed_precision`` asks for bf16 or fp16 (autocast), so that by default
     a score does not depend on the machine."""
+    prompts, responses = texts_to_score(args)  # a bad text file fails before the model loads
     model, tokenizer, _ = load_checkpoint(args.checkpoint, "reward", flag="--checkpoint")
-    prompts, responses = texts_to_score(args)
     if args.max_length and args.max_length > model.cfg.context_length:
         raise UserError(f"--max_length {args.max_length} is longer than the model's context_length "
                         f"{model.cfg.context_length}; lower it")
