@@ -312,6 +312,14 @@ def prompt_of(where: str, row):
     return turns[0][1] if len(turns) == 1 else tuple(turns)  # one user turn: the plain string, as before
 
 
+def read_prompt_lines(path: str, what: str) -> list[str]:
+    """The prompts of a text file, one per line, blank lines skipped; ``UserError`` if there are none."""
+    prompts = [line for line in read_lines(path, what) if line.strip()]
+    if not prompts:
+        raise UserError(f"{what} {path} holds no prompt; write one prompt per line")
+    return prompts
+
+
 def read_prompt_files(patterns, what: str) -> list:
     """The prompts in the files matching ``patterns`` (PPO's and GRPO's practice prompts, every aligner's held-out
     ones), in file order: a ``.txt`` file holds one prompt per line (blank lines skipped), as ``generate.py`` reads
@@ -320,10 +328,7 @@ def read_prompt_files(patterns, what: str) -> list:
     prompts = []
     for path in expand_files(patterns, what):
         if path.endswith(".txt"):
-            lines = [line for line in read_lines(path, what) if line.strip()]
-            if not lines:
-                raise UserError(f"{what} {path} holds no prompt; write one prompt per line")
-            prompts += lines
+            prompts += read_prompt_lines(path, what)
             continue
         records = read_records(path)
         if not records:

@@ -290,15 +290,11 @@ def read_prompts(path: str) -> list:
     """Prompts from a text file (one per line; blank lines skipped) or from .jsonl / .json / .parquet records read
     as the alignment stages read theirs (``corpus.prompt_of``: {"prompt"}, alpaca or "messages" records; a
     conversation comes back as a tuple of turns)."""
-    from corpus import read_lines, read_prompt_files
+    from corpus import read_prompt_files, read_prompt_lines
 
     if path.endswith((".jsonl", ".json", ".parquet")):
-        prompts = read_prompt_files(path, "--prompts_file")
-    else:
-        prompts = [line for line in read_lines(path, "--prompts_file") if line.strip()]
-    if not prompts:
-        raise UserError(f"--prompts_file {path} holds no prompt; write one prompt per line")
-    return prompts
+        return read_prompt_files(path, "--prompts_file")
+    return read_prompt_lines(path, "--prompts_file")
 
 
 def print_answer(prompt: str, model, tokenizer, chat: bool, args, reward_model=None) -> None:

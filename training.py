@@ -286,7 +286,7 @@ def check_same_settings(saved: dict | None, now: dict, output_dir: str) -> None:
 def resume_command() -> str:
     """This run's command line with ``--resume`` added once: what continues it."""
     command = command_line()
-    return command if " --resume" in f" {command} " else f"{command} --resume"
+    return command if " --resume " in f" {command} " else f"{command} --resume"
 
 
 def load_training_state(state_dir: str, optimizer, accelerator) -> dict:
