@@ -20,10 +20,11 @@ from __future__ import annotations
 import copy
 import hashlib
 import os
+import sys
 
 import torch
 
-from checkpoint import load_backbone, load_checkpoint
+from checkpoint import load_backbone, load_checkpoint, read_config
 from chinese_tokenizer import EOS_ID, chat_prompt_ids, decode
 from cli import UserError, default_path, positive_int
 from corpus import pad_left, read_prompt_files, shown_prompt
@@ -315,4 +316,8 @@ def load_policy_and_reward(args, tokenizer, device):
     if args.max_new_tokens > context_length - 3:
         raise UserError(f"--max_new_tokens {args.max_new_tokens} leaves no room for a prompt in a context of "
                         f"{context_length} (the shorter of policy and reward model); lower it")
+    if read_config(args.policy).get("stage") == "pretrain":
+        # allowed (an experiment may want it), but the usual slip is to pass checkpoints/pretrain for checkpoints/sft
+        print(f"note: --policy {args.policy} is a pretrained model that has not been fine-tuned on the chat template "
+              f"(1-SFT.py), so its answers start from plain continuation", file=sys.stderr)
     return policy, parent, ref, reward_model, context_length

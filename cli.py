@@ -50,16 +50,19 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescript
     the description and epilog keep their line breaks."""
 
     def _get_help_string(self, action):
-        if action.default in (None, False) or "default:" in (action.help or ""):
+        if action.default in (None, False, []) or "default:" in (action.help or ""):
             return action.help
         return super()._get_help_string(action)
 
 
 class ArgumentParser(argparse.ArgumentParser):
-    """``argparse.ArgumentParser`` whose errors are one line (no usage block) with exit code 2, like ``run``."""
+    """``argparse.ArgumentParser`` whose errors are one line (no usage block) with exit code 2, like ``run``.
+    Flags must be spelled out: argparse's default of accepting any unambiguous prefix (``--max_step``) would let
+    a typo or a future flag change what an old command means."""
 
     def __init__(self, **kwargs):
         kwargs.setdefault("formatter_class", HelpFormatter)
+        kwargs.setdefault("allow_abbrev", False)
         super().__init__(**kwargs)
 
     def error(self, message):
@@ -117,7 +120,7 @@ def stage_parser(description: str, output_dir: str, defaults: dict, steps: str =
 
     The stage adds its own data and model-source flags (``--init``, ``--policy``/``--reward``) after this.
     """
-    sizes = "; ".join(f"{name}: {c.n_layers} layers x {c.emb_dim}, context {c.context_length}"
+    sizes = "; ".join(f"{name}: {c.n_layers} layers x {c.emb_dim}, {c.context_length} positions"
                       for name, c in PRESETS.items())
     epilog = "defaults per --preset (any flag overrides):\n" + "\n".join(
         f"  {name}: " + ", ".join(f"--{k} {v}" for k, v in values.items()) for name, values in defaults.items())
@@ -142,7 +145,8 @@ def stage_parser(description: str, output_dir: str, defaults: dict, steps: str =
     p.add_argument("--warmup_steps", type=non_negative_int, help="linear warm-up steps before the cosine decay")
     p.add_argument("--max_grad_norm", type=positive_float, default=1.0, help="gradient clipping threshold")
     p.add_argument("--eval_every", type=positive_int, help="evaluate every N steps")
-    p.add_argument("--eval_examples", type=positive_int, help="validation examples used at each evaluation")
+    p.add_argument("--eval_examples", type=positive_int, help="validation examples used at each evaluation: blocks in "
+                   "pretraining, pairs in SFT, the RM and DPO, held-out prompts in PPO and GRPO")
     p.add_argument("--save_every", type=positive_int, help="save a resumable checkpoint every N steps")
     p.add_argument("--mixed_precision", default="auto", choices=["auto", "no", "bf16", "fp16"],
                    help="autocast precision of the matmuls: auto keeps what `accelerate launch` was given "

@@ -839,6 +839,7 @@ class ChatPairs:
             return None
         response = f", {self.num_response_cut} of them also lost the end of the response" if self.num_response_cut \
             else ""
-        return (f"warning: {self.num_truncated} of {len(self)} {what} pairs are longer than {self.max_length + 1} "
-                f"tokens; their earliest turns and prompts were cut from the left{response} (raise --max_length "
-                f"or shorten them)")
+        # a template of max_length + 1 tokens fills max_length positions: its last token is only a label
+        return (f"warning: {self.num_truncated} of {len(self)} {what} pairs do not fit in the {self.max_length} "
+                f"positions the model reads; their earliest turns and prompts were cut from the left{response} "
+                f"(raise --max_length or shorten them)")

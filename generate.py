@@ -1,6 +1,6 @@
 """Generate text from any stage's checkpoint: one prompt, a file of prompts, or an interactive session.
 
-    python generate.py --prompt "中国的首都是"                     # the latest checkpoint: ppo, else sft, else pretrain
+    python generate.py --prompt "中国的首都是"                     # the furthest stage found: ppo, else sft, else pretrain
     python generate.py --checkpoint checkpoints/pretrain --prompt "今天天气" --temperature 0
     python generate.py --prompts_file prompts.jsonl --output answers.jsonl
     python generate.py --reward checkpoints/rm --num_samples 8 --prompt "写一条好评："   # best-of-8 by the RM
@@ -15,7 +15,8 @@ How a prompt becomes model input depends on the checkpoint:
 * an SFT or PPO checkpoint answers through the chat template it was trained on, ``[CLS] prompt [ANS]``.
 
 Either way generation stops at ``[SEP]`` (the end of a document in pretraining, the end of an answer after SFT) or
-after ``--max_new_tokens``. A prompt longer than the model's context keeps its last tokens (a note goes to stderr).
+after ``--max_new_tokens``. A prompt longer than the model's context keeps its last tokens, and a text that
+grows past it is continued from its last ``context_length`` tokens (a note goes to stderr for either).
 
 Output: the generated text alone goes to stdout for ``--prompt`` and in the interactive loop (streamed token by
 token; several samples come at the end, separated by a blank line), or
@@ -52,7 +53,7 @@ from cli import ArgumentParser, UserError, default_path, non_negative_float, non
 from gpt_model import generate
 from reward import score_texts
 
-# Where the stages write their checkpoints, latest stage first: the default --checkpoint is the first that exists.
+# Where the stages write their checkpoints, furthest stage first: the default --checkpoint is the first that exists.
 STAGE_DIRS = [default_path("checkpoints", stage) for stage in ("ppo", "sft", "pretrain")]
 CHAT_STAGES = ("sft", "ppo", "dpo", "grpo")  # checkpoints trained on the chat template
 EXIT_WORDS = ("exit", "quit")
@@ -62,7 +63,7 @@ def add_model_arguments(p) -> None:
     """Where the model comes from (``--checkpoint`` or ``--from_hf``, and ``--tokenizer``): generate.py's and
     serve.py's, read by ``load_policy``."""
     source = p.add_mutually_exclusive_group()
-    source.add_argument("--checkpoint", help="stage checkpoint directory (default: the latest of "
+    source.add_argument("--checkpoint", help="stage checkpoint directory (default: the first that exists of "
                                              "checkpoints/ppo, checkpoints/sft, checkpoints/pretrain)")
     source.add_argument("--from_hf", help="a local Hugging Face GPT-2 directory, loaded through load_weight.py "
                                           "(plain continuation)")
@@ -136,7 +137,7 @@ def load_policy(args):
     path = args.checkpoint
     if path is None:
         path = find_latest_checkpoint()
-        log(f"using {path} (the latest stage found; pass --checkpoint to choose another)")
+        log(f"using {path} (the furthest stage found; pass --checkpoint to choose another)")
     elif not os.path.isdir(path):
         what = f"is a file, not a checkpoint folder; give its folder {os.path.dirname(path) or '.'}" \
             if os.path.isfile(path) else "does not exist; give a directory written by a stage script"
@@ -391,6 +392,9 @@ def main(argv=None):
     reward_model = load_reward(args.reward, model.cfg.vocab_size).to(device) if args.reward else None
     log(f"device {device}, {weight_dtype(model)} weights; {sum(p.numel() for p in model.parameters()):,} "
         f"parameters; context {model.cfg.context_length} tokens")
+    if args.max_new_tokens >= model.cfg.context_length:
+        log(f"note: a prompt and --max_new_tokens {args.max_new_tokens} are longer than the model's context of "
+            f"{model.cfg.context_length} tokens; past it, each new token sees only the last {model.cfg.context_length}")
 
     if args.prompt is not None:
         torch.manual_seed(prompt_seed(args.seed, args.prompt))

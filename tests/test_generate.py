@@ -161,6 +161,13 @@ def test_top_k_1_is_greedy(capsys, ckpts, policy, tokenizer):
     assert out == decode(greedy(policy, encode(PROMPT, tokenizer), 10), tokenizer) + "\n"
 
 
+def test_more_new_tokens_than_the_context_get_a_note(capsys, ckpts):
+    code, _, err = cli(capsys, "--checkpoint", ckpts["pretrain"], "--prompt", PROMPT, "--max_new_tokens", CONTEXT)
+    assert code == 0 and f"--max_new_tokens {CONTEXT} are longer than the model's context of {CONTEXT}" in err
+    code, _, err = cli(capsys, "--checkpoint", ckpts["pretrain"], "--prompt", PROMPT, "--max_new_tokens", CONTEXT - 1)
+    assert code == 0 and "--max_new_tokens" not in err
+
+
 def test_prompt_longer_than_context_keeps_its_end(capsys, ckpts, policy, tokenizer):
     prompt = "".join(chr(0x4E00 + 7 * i) for i in range(CONTEXT + 30))  # 94 distinct CJK characters
     ids = encode(prompt, tokenizer)

@@ -252,6 +252,25 @@ def test_missing_reward_model_is_a_one_line_error(tmp_path, ppo_parents):
     assert len(result.stderr.strip().splitlines()) == 1
 
 
+def test_a_pretrained_policy_is_named_in_a_note(tmp_path, tiny_policy_and_rm, tokenizer, capsys):
+    """A pretrain checkpoint as --policy (the usual slip for checkpoints/sft) loads, with a note on stderr that it
+    never learned the chat template; an SFT checkpoint loads without one."""
+    import shutil
+
+    policy, rm = tiny_policy_and_rm
+    args = types.SimpleNamespace(policy=str(policy), reward=str(rm), max_new_tokens=8)
+    alignment.load_policy_and_reward(args, tokenizer, "cpu")
+    err = capsys.readouterr().err
+    assert err.startswith(f"note: --policy {policy} is a pretrained model") and "1-SFT.py" in err
+    sft = tmp_path / "sft"
+    shutil.copytree(policy, sft)
+    config = json.loads((sft / "config.json").read_text(encoding="utf-8"))
+    (sft / "config.json").write_text(json.dumps({**config, "stage": "sft"}), encoding="utf-8")
+    args.policy = str(sft)
+    alignment.load_policy_and_reward(args, tokenizer, "cpu")
+    assert capsys.readouterr().err == ""
+
+
 @pytest.mark.parametrize("script", ["3-PPO.py", "3-GRPO.py", "3-DPO.py"])
 def test_no_sampling_temperature_to_get_wrong(tmp_path, script):
     """--temperature 0.7 used to sample at 0.7 while PPO scored log-probs (and KL) at 1.0, training one distribution

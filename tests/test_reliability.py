@@ -270,6 +270,7 @@ def test_non_utf8_text_file(tmp_path):
     (["--context_length", "999"], "--context_length 999"),
     (["--preset", "huge"], "--preset"),
     (["--train_files", "missing/*.txt"], "missing/*.txt"),
+    (["--max_step", "3"], "unrecognized arguments: --max_step 3"),  # no prefix matching of --max_steps
 ])
 def test_impossible_settings_stop_before_anything_is_written(tmp_path, tiny_corpus, extra, needle):
     out = tmp_path / "out"

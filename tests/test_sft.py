@@ -123,7 +123,8 @@ def test_truncation_cuts_the_prompt_from_the_left_and_counts(tokenizer):
                         [-100, -100, -100] + char_ids("在", tokenizer) + [SEP])
     assert max(pairs.lengths) <= 9
     warning = pairs.truncation_warning("train")
-    assert "2 of 3 train pairs" in warning and "1 of them" in warning and "\n" not in warning
+    assert "2 of 3 train pairs do not fit in the 9 positions" in warning and "1 of them" in warning
+    assert "\n" not in warning
     assert ChatPairs(rows[1:2], tokenizer, 9).truncation_warning("train") is None
 
 
