@@ -92,7 +92,9 @@ def parse_args(argv=None):
                    help="> 1 makes tokens already in the text less likely (1: off)")
     p.add_argument("--seed", type=int, default=1234, help="seed for sampling")
     p.add_argument("--num_samples", type=positive_int, default=1,
-                   help="samples per prompt (all are printed; with --reward only the best)")
+                   help="samples per prompt, drawn as one batch (all are printed; with --reward only the "
+                        "best); each step draws one random number per row, so past its first token the first of 4 "
+                        "samples is not the one sample that --num_samples 1 gives")
     p.add_argument("--reward", help="reward model checkpoint (from 2-RM.py): keep the best-scoring sample")
     p.add_argument("--monitors", help="with --prompts_file and --reward: write the monitors (RM score, judge, "
                                       "distinct-2, ...) of best-of-k for k = 1, 2, 4, ... n to this JSON file")
