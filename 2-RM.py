@@ -276,6 +276,7 @@ def main(argv=None):
         stage.log(row, show=("train_loss", "train_accuracy", "lr"))
     if not stage.completed:
         return stage.finish()
+    stage.save_before_final_evaluation()  # a Ctrl-C below keeps the trained steps; --resume runs only what follows
 
     # --- test: pairs no stage has seen ------------------------------------------------------------------------------
     result = evaluate_pairs(model, read_preference_pairs(test_files, "--test_files"), tokenizer, args, accelerator)

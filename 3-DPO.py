@@ -221,6 +221,7 @@ def main(argv=None):
         stage.log(row, show=("train_loss", "train_accuracy", "lr"))
     if not stage.completed:
         return stage.finish()
+    stage.save_before_final_evaluation()  # a Ctrl-C below keeps the trained steps; --resume runs only what follows
 
     # --- SFT and DPO on the held-out prompts, and the reward-hacking flag ------------------------------------------
     dpo, examples = held_out("DPO policy")

@@ -195,6 +195,7 @@ def main(argv=None):
         stage.log(row, show=("score", "kl", "judge"))
     if not stage.completed:
         return stage.finish()
+    stage.save_before_final_evaluation()  # a Ctrl-C below keeps the trained steps; --resume runs only what follows
 
     # --- SFT and GRPO on held-out prompts, and the reward-hacking flag ----------------------------------------------
     grpo, examples = held_out("GRPO policy")

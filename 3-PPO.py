@@ -274,6 +274,7 @@ def main(argv=None):
         stage.log(row, show=("score", "kl", "kl_coef"))
     if not stage.completed:
         return stage.finish()
+    stage.save_before_final_evaluation()  # a Ctrl-C below keeps the trained steps; --resume runs only what follows
 
     # --- SFT and PPO on held-out prompts, and the reward-hacking flag -----------------------------------------------
     ppo, examples = held_out("PPO policy")

@@ -20,11 +20,15 @@ class UserError(Exception):
     """Bad input from the user; the message says what is wrong, where, and what to do."""
 
 
+# what ``run`` adds to its "stopped by SIGINT" line, set by a stage once something is saved that --resume continues
+interrupt_hint = None
+
+
 def run(main, argv=None) -> None:
     """Call ``main(argv)``; turn a ``UserError`` into one line on stderr and exit code 2, and Ctrl-C or SIGTERM
     outside a training loop (which saves a resumable state instead, ``training.StopSignal``) into one line and
     128 + the signal's number, after the ``finally`` blocks on the way have cleaned up (e.g. a half-written
-    token file)."""
+    token file). The line ends with ``interrupt_hint`` when a stage has set one."""
     def stop(signum, frame):
         raise KeyboardInterrupt(signum)
 
@@ -37,7 +41,8 @@ def run(main, argv=None) -> None:
         sys.exit(2)
     except KeyboardInterrupt as e:
         signum = e.args[0] if e.args and isinstance(e.args[0], int) else signal.SIGINT
-        print(f"stopped by {signal.Signals(signum).name}", file=sys.stderr)
+        hint = f"; {interrupt_hint}" if interrupt_hint else ""
+        print(f"stopped by {signal.Signals(signum).name}{hint}", file=sys.stderr)
         sys.exit(128 + signum)
     finally:
         if main_thread:

@@ -2,6 +2,7 @@
 
     python pipeline.py                      # data -> 0 -> 1 -> 2 -> 3-PPO, 3-DPO, 3-GRPO -> generate -> report
     python pipeline.py --overwrite          # run again, replacing the checkpoints of an earlier run
+    python pipeline.py --resume             # after Ctrl-C: keep the finished stages, continue from the stopped one
     python pipeline.py --launch "accelerate launch --mixed_precision bf16" --preset gpt2-zh-small
 
 Each stage is the same command a user would type (printed before it runs), so the report card's run can be
@@ -20,21 +21,26 @@ import math
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import time
 
+import cli
 import generate
+from checkpoint import file_sha256
 from chinese_tokenizer import load_tokenizer
 from cli import ArgumentParser, UserError, default_path, run
 from gpt_model import PRESETS
 from judge import distinct_n, longest_repeat, reward_hacking_flag
+from training import resume_command
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 CHECKPOINTS = {"pretrain": "checkpoints/pretrain", "sft": "checkpoints/sft", "rm": "checkpoints/rm",
                "ppo": "checkpoints/ppo", "dpo": "checkpoints/dpo", "grpo": "checkpoints/grpo"}
 STAGES = [("pretrain", "0-PRETRAIN.py"), ("sft", "1-SFT.py"), ("rm", "2-RM.py"), ("ppo", "3-PPO.py"),
           ("dpo", "3-DPO.py"), ("grpo", "3-GRPO.py")]
+PARENTS = {"sft": "pretrain", "rm": "sft", "ppo": "sft", "dpo": "sft", "grpo": "sft"}  # whose weights each starts from
 ALIGNED = ("ppo", "dpo", "grpo")  # the three alignment stages, each from the SFT model, measured alike
 ANSWERING = ("pretrain", "sft") + ALIGNED  # the models that answer the report's prompts
 # prompts answered by every model in the report: two review-writing tasks, a 歇后语, a definition, free text
@@ -51,6 +57,10 @@ def parse_args(argv=None):
     p = ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="demo", choices=sorted(PRESETS), help="size preset passed to every stage")
     p.add_argument("--overwrite", action="store_true", help="replace the checkpoints and report of an earlier run")
+    p.add_argument("--resume", action="store_true",
+                   help="continue a run that was stopped: the stages it finished (same --preset, each trained from "
+                        "the checkpoint before it) are kept as they are, the stopped stage continues from its saved "
+                        "state if it has one, and every stage after it runs again")
     p.add_argument("--launch", default=f"{shlex.quote(sys.executable)}",
                    help='how to start each stage, e.g. "accelerate launch --mixed_precision bf16"')
     p.add_argument("--with-poetry", "--with_poetry", dest="with_poetry", action="store_true",
@@ -70,31 +80,40 @@ def step(number: int, total: int, title: str, command: list[str], started: float
     print(f"\n=== [{number}/{total}] {title} (pipeline time so far {elapsed / 60:.1f} min) ===\n$ "
           f"{' '.join(shlex.quote(c) for c in command)}", flush=True)
     t0 = time.time()
-    if main is not None:
-        returncode = in_process(main, command[2:])
-    else:
-        try:
-            returncode = subprocess.run(command, cwd=ROOT).returncode
-        except OSError as e:
-            raise UserError(f"cannot start {command[0]!r} ({e.strerror}); check --launch") from e
+    try:
+        if main is not None:
+            returncode = in_process(main, command[2:], script=command[1])
+        else:
+            try:
+                returncode = subprocess.run(command, cwd=ROOT).returncode
+            except OSError as e:
+                raise UserError(f"cannot start {command[0]!r} ({e.strerror}); check --launch") from e
+        if returncode in (128 + signal.SIGINT, 128 + signal.SIGTERM):  # the stage saved its state and stopped
+            raise KeyboardInterrupt(returncode - 128)
+    except KeyboardInterrupt:
+        cli.interrupt_hint = f"continue the pipeline with: {resume_command()}"  # not the stage's own command
+        raise
     if returncode != 0:
         raise UserError(f"{title} failed (exit code {returncode}); see its message above, fix it, then run "
                         f"the pipeline again (add --overwrite to replace finished stages)")
     return time.time() - t0
 
 
-def in_process(main, argv: list[str]) -> int:
+def in_process(main, argv: list[str], script: str | None = None) -> int:
     """``main(argv)``'s exit code as ``cli.run`` would give it, without leaving this process: a ``UserError`` is
     printed as its one line and gives 2, argparse's exit its code. It runs in ``ROOT``, as a subprocess would, and
     with Accelerate's process-wide state cleared, so that each stage's ``Accelerator`` starts as in a new process
-    (the state is a singleton that refuses, for one, another mixed precision)."""
+    (the state is a singleton that refuses, for one, another mixed precision). With ``script``, ``sys.argv`` is
+    ``[script, *argv]`` meanwhile, so the checkpoint records (and a resume hint prints) the stage's own command."""
     from accelerate.state import AcceleratorState, GradientState
 
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
-    here = os.getcwd()
+    here, argv_before = os.getcwd(), sys.argv
     try:
         os.chdir(ROOT)  # contextlib.chdir would do, from Python 3.11 on; the README promises 3.10
+        if script is not None:
+            sys.argv = [script, *argv]
         return main(argv) or 0
     except UserError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
@@ -103,6 +122,7 @@ def in_process(main, argv: list[str]) -> int:
         return e.code if isinstance(e.code, int) else 1
     finally:
         os.chdir(here)
+        sys.argv = argv_before
         gc.collect()  # the stage's models and optimizer go now, not when the next stage needs the memory
         return_free_memory()
 
@@ -140,6 +160,45 @@ def tokens_per_second(rows) -> float | None:
     return None
 
 
+def kept_from_earlier_run(stage: str, script: str, preset: str) -> bool:
+    """Whether ``--resume`` keeps ``stage``'s checkpoint: finished (no resumable state/ left), written by ``script``
+    with ``--preset preset``, and trained from the checkpoint now in its parent's folder (the sha256 it recorded)."""
+    path = os.path.join(ROOT, CHECKPOINTS[stage])
+    config = read_json(os.path.join(path, "config.json")) if os.path.isfile(os.path.join(path, "config.json")) else {}
+    command = f" {config.get('command', '')} "
+    return (bool(config) and not os.path.isdir(os.path.join(path, "state")) and f" {script} " in command
+            and f" --preset {preset} " in command and trained_from_its_parent(stage, config))
+
+
+def trained_from_its_parent(stage: str, config: dict) -> bool:
+    """Whether ``config`` (of ``stage``'s checkpoint) records the weights its parent stage's folder holds now."""
+    if stage not in PARENTS:
+        return True
+    weights = os.path.join(ROOT, CHECKPOINTS[PARENTS[stage]], "model.safetensors")
+    return os.path.isfile(weights) and config.get("parent_sha256") == file_sha256(weights)
+
+
+def plan_stages(args, launch: list[str]) -> list[tuple[str, str, list[str] | None]]:
+    """(stage, script, the command that runs it, or None where ``--resume`` keeps its checkpoint) for each stage.
+
+    ``--resume`` keeps the leading stages that ``kept_from_earlier_run``; the first other stage continues from its
+    ``state/`` (``--resume``) if it saved one from the parent now in place, and it and every later stage run again
+    (``--overwrite``), since each is trained from the one before."""
+    plan, resuming = [], args.resume
+    for stage, script in STAGES:
+        if resuming and kept_from_earlier_run(stage, script, args.preset):
+            plan.append((stage, script, None))
+            continue
+        extra = ["--overwrite"] if args.overwrite or args.resume else []
+        folder = os.path.join(ROOT, CHECKPOINTS[stage])
+        if resuming and os.path.isdir(os.path.join(folder, "state")) and \
+                trained_from_its_parent(stage, read_json(os.path.join(folder, "config.json"))):
+            extra = ["--resume"]  # the stopped stage goes on from its saved steps (it refuses other settings)
+        resuming = False
+        plan.append((stage, script, launch + [script, "--preset", args.preset] + extra))
+    return plan
+
+
 def main(argv=None):
     args = parse_args(argv)
     launch = shlex.split(args.launch)
@@ -151,9 +210,10 @@ def main(argv=None):
     if os.path.exists(args.report_dir) and not os.path.isdir(args.report_dir):
         raise UserError(f"--report_dir {args.report_dir} is a file; give a folder for the report")
     existing = [d for d in CHECKPOINTS.values() if os.path.exists(os.path.join(ROOT, d, "config.json"))]
-    if existing and not args.overwrite:
+    if existing and not (args.overwrite or args.resume):
         raise UserError(f"an earlier run's checkpoints exist ({', '.join(existing)}); to keep them, move them away "
-                        f"first; to replace them, run again with --overwrite (make pipeline ARGS=--overwrite)")
+                        f"first; to replace them, run again with --overwrite; to continue a stopped run, with "
+                        f"--resume (make pipeline ARGS=--overwrite or ARGS=--resume)")
     py = [sys.executable]
     total = len(STAGES) + 3
     started = time.time()
@@ -168,8 +228,13 @@ def main(argv=None):
     # same results, without paying the start-up again (importing torch and the rest, and the judge's models: about
     # 4 s each). Any other launcher (accelerate launch, torchrun) starts its own processes.
     here = launch == py
-    for number, (stage, script) in enumerate(STAGES, start=2):
-        command = launch + [script, "--preset", args.preset] + (["--overwrite"] if args.overwrite else [])
+    for number, (stage, script, command) in enumerate(plan_stages(args, launch), start=2):
+        if command is None:
+            rows = read_rows(os.path.join(ROOT, CHECKPOINTS[stage], "metrics.jsonl"))
+            times[stage] = rows[-1].get("time_s", 0.0) if rows else 0.0  # its own training time, in that run
+            print(f"\n=== [{number}/{total}] {script}: kept, finished by the earlier run ({CHECKPOINTS[stage]}) ===",
+                  flush=True)
+            continue
         times[stage] = step(number, total, script, command, started, load_stage(script).main if here else None)
 
     # the same prompts answered by each model, every answer scored by the reward model

@@ -30,6 +30,7 @@ from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
 from checkpoint import command_line, load_weights_into, save_checkpoint
+import cli
 from cli import UserError
 
 
@@ -648,6 +649,14 @@ class StageRun:
                             files)
         self.accelerator.wait_for_everyone()
 
+    def save_before_final_evaluation(self) -> None:
+        """Save a resumable state after the last step, before the evaluation that follows it (the test split, the
+        held-out monitors), so that a Ctrl-C there keeps the trained steps: ``--resume`` then runs only that
+        evaluation. All processes must call it."""
+        self.save(final=False)
+        cli.interrupt_hint = (f"the trained steps are saved in {self.args.output_dir}; run the final evaluation "
+                              f"with: {resume_command()}")
+
     def finish(self, summary: str = "") -> int:
         """End the stage and return its exit code: after Ctrl-C the signal's (the state is already saved); after
         ``--stop_after`` a resumable checkpoint; after the last step the final one and the closing message."""
@@ -659,6 +668,7 @@ class StageRun:
                                    f"{resume_command()}")
             return 0
         self.save(final=True)
+        cli.interrupt_hint = None  # nothing is left to resume
         self.accelerator.print(f"saved {self.args.output_dir} (step {self.step}, {self.tokens_seen:,} tokens, "
                                f"{summary + ', ' if summary else ''}{time.time() - self.started:.0f} s)")
         return 0

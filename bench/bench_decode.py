@@ -14,6 +14,7 @@ and the step time at new token 900 over the step time at new token 10 (context 1
 
     python bench/bench_decode.py                          # demo and gpt2-zh-small, fp32 and bf16, batch 1 and 8
     python bench/bench_decode.py --presets demo --batches 1
+    python bench/bench_decode.py --presets demo --batches 1 --ops  # also what each operation of a step costs
 
 The figures go in bench/README.md ("Decoding against the memory bound").
 """
@@ -31,7 +32,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from bench_attention import cpu_name  # noqa: E402
 from cli import HelpFormatter  # noqa: E402
-from gpt_model import GPTModel, generate, get_preset  # noqa: E402
+from gpt_model import GPTModel, apply_rope, generate, get_preset, rope_angles  # noqa: E402
 
 PROMPT_LEN = 16
 # "autocast": fp32 weights decoded under CPU bf16 autocast, as the alignment stages sample (autocast keeps one bf16
@@ -112,6 +113,67 @@ def agreement(fp32_model, bf16_model, prompts: int, new_tokens: int) -> dict:
             "top1_agree": float((la.argmax(-1) == lb.argmax(-1)).float().mean())}
 
 
+def op_time(fn, calls: int = 400, repeats: int = 5) -> float:
+    """Seconds per call of ``fn()`` alone, back to back (median of ``repeats`` loops of ``calls``, warmed up)."""
+    for _ in range(20):
+        fn()
+    loops = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        loops.append((time.perf_counter() - t) / calls)
+    return statistics.median(loops)
+
+
+def operation_costs(model: GPTModel, cached: int = 40) -> list[tuple[str, int, float, int]]:
+    """What the operations of one batch-1 decode step cost when each is timed alone: rows of (operation, calls
+    per step, seconds per call, bytes of weights it reads), with the model's own modules and dtype, ``cached``
+    positions in the cache. Their sum is a floor for an eager step that runs them one by one (it leaves out
+    Python, views, the cache writes and the module calls around them)."""
+    cfg, block = model.cfg, model.trf_blocks[0]
+    dtype, d_h, layers = model.tok_emb.weight.dtype, cfg.emb_dim // cfg.n_heads, cfg.n_layers
+    x = torch.randn(1, 1, cfg.emb_dim, dtype=dtype)  # (B, T, E)
+    wide = torch.randn(1, 1, 4 * cfg.emb_dim, dtype=dtype)  # (B, T, 4E)
+    q = torch.randn(1, cfg.n_heads, 1, d_h, dtype=dtype)  # (B, H, 1, d_h)
+    kv = torch.randn(1, cfg.n_heads, cached, d_h, dtype=dtype)  # (B, H, Tk, d_h)
+    logits = torch.randn(1, cfg.vocab_size)  # (B, V), fp32 as generate makes them
+    up, down = block.ff.layers[0], block.ff.layers[2]
+    size = lambda m: sum(p.numel() * p.element_size() for p in m.parameters())  # noqa: E731
+    rows = [("q/k/v projection (E -> E)", 3 * layers, block.att.W_query, x, size(block.att.W_query)),
+            ("attention output projection (E -> E)", layers, block.att.out_proj, x, size(block.att.out_proj)),
+            ("feed-forward up (E -> 4E)", layers, up, x, size(up)),
+            ("feed-forward down (4E -> E)", layers, down, wide, size(down)),
+            ("output head (E -> V)", 1, model.out_head, x, size(model.out_head))]
+    with torch.no_grad():
+        out = [(name, n, op_time(lambda m=m, a=a: m(a)), nbytes) for name, n, m, a, nbytes in rows]
+        out += [("norm", 2 * layers + 1, op_time(lambda: block.norm1(x)), 0),
+                ("GELU (4E)", layers, op_time(lambda: block.ff.layers[1](wide)), 0),
+                ("residual add", 2 * layers, op_time(lambda: x + x), 0),
+                (f"scaled_dot_product_attention (1 query, {cached} keys)", layers,
+                 op_time(lambda: torch.nn.functional.scaled_dot_product_attention(q, kv, kv)), 0),
+                ("argmax over the vocabulary", 1, op_time(lambda: logits.argmax(dim=-1)), 0),
+                ("(amax over the vocabulary, for scale)", 0, op_time(lambda: logits.amax(dim=-1)), 0)]
+        if cfg.position_embedding == "rope":
+            cos, sin = rope_angles(d_h, torch.tensor([[cached]]))
+            out.append(("rotary embedding (q or k)", 2 * layers, op_time(lambda: apply_rope(q, cos, sin)), 0))
+    return out
+
+
+def print_operation_costs(preset: str, dtype: str, model: GPTModel, bandwidth: float) -> None:
+    """The ``operation_costs`` table, with each matrix product's time at the bandwidth of the step's weights."""
+    rows = operation_costs(model)
+    print(f"\n{preset}, {dtype} weights, batch 1: each operation of a decode step timed alone\n")
+    print("| operation | per step | µs each | µs per step | µs at the read bandwidth |")
+    print("|---|---|---|---|---|")
+    for name, n, seconds, nbytes in rows:
+        bound = f"{n * nbytes / bandwidth * 1e6:.0f}" if nbytes else ""
+        print(f"| {name} | {n} | {seconds * 1e6:.1f} | {n * seconds * 1e6:.0f} | {bound} |")
+    matmuls = sum(n * t for _, n, t, b in rows if b)
+    print(f"\nmatrix products {matmuls * 1e3:.2f} ms, everything listed "
+          f"{sum(n * t for _, n, t, _ in rows) * 1e3:.2f} ms per step\n")
+
+
 def build(preset: str, dtype: str, context_length: int | None = None) -> GPTModel:
     cfg = get_preset(preset).replace(drop_rate=0.0)
     if context_length:
@@ -131,6 +193,8 @@ def main():
     p.add_argument("--rounds", type=int, default=3, help="timed generations per figure")
     p.add_argument("--latency_tokens", type=int, default=900, help="0 skips the token-10 vs token-N latency")
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    p.add_argument("--ops", action="store_true",
+                   help="also time each operation of a batch-1 step alone (where the step's time goes)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -154,6 +218,9 @@ def main():
                 bound = nbytes / bandwidth
                 print(f"| {preset} | {dt} | {batch} | {step * 1e3:.2f} | {nbytes / 1e6:.1f} | {bandwidth / 1e9:.1f} "
                       f"| {bound * 1e3:.2f} | {step / bound:.2f} |", flush=True)
+        if args.ops:
+            for dt in [d for d in ("fp32", "bf16") if d in models]:
+                print_operation_costs(preset, dt, models[dt], read_bandwidth(int(weight_bytes_per_step(models[dt], 1))))
         if "autocast" in models:
             slow = [measure(models["autocast"], b, args.new_tokens, args.rounds, autocast=True, inference_mode=True)
                     for b in args.batches]

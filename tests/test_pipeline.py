@@ -142,3 +142,65 @@ def test_best_of_n_rows_start_from_best_of_1_and_are_flagged_like_the_stages():
     # SFT's row ends 25%: judged against it instead, best-of-16's 20% would pass, so the pairing is what is tested
     assert "- best-of-16: no sign" in "\n".join(pipeline.held_out_section(metrics, {k: v for k, v in best.items()
                                                                                     if k != "1"}))
+
+
+def fake_checkpoint(root, stage, preset="demo", parent_weights=None, state=False, weights=None):
+    """A folder that looks like ``stage``'s checkpoint to ``plan_stages``: config.json with the stage's command and
+    its parent's sha256, a model.safetensors of its own bytes, and state/ if asked."""
+    import json
+
+    from checkpoint import file_sha256
+
+    folder = root / pipeline.CHECKPOINTS[stage]
+    folder.mkdir(parents=True)
+    script = dict(pipeline.STAGES)[stage]
+    (folder / "model.safetensors").write_bytes(weights or stage.encode())
+    parent = file_sha256(str(parent_weights)) if parent_weights else None
+    config = {"stage": stage, "parent_sha256": parent, "command": f"python {script} --preset {preset} --overwrite"}
+    (folder / "config.json").write_text(json.dumps(config), encoding="utf-8")
+    if state:
+        (folder / "state").mkdir()
+    return folder / "model.safetensors"
+
+
+def planned(argv):
+    args = pipeline.parse_args(argv)
+    return {stage: command and command[4:] for stage, _, command in pipeline.plan_stages(args, ["python"])}
+
+
+def test_resume_keeps_the_finished_stages_and_continues_the_stopped_one(tmp_path, monkeypatch):
+    """After a Ctrl-C in the RM stage: pretrain and SFT (trained from that pretrain) are kept, the RM goes on from its
+    state, and the aligners, finished by an older run, run again. A stage is run again when its parent changed
+    since it was trained, when it came from another preset, and everything runs without --resume."""
+    monkeypatch.setattr(pipeline, "ROOT", str(tmp_path))
+    pretrain = fake_checkpoint(tmp_path, "pretrain")
+    sft = fake_checkpoint(tmp_path, "sft", parent_weights=pretrain)
+    fake_checkpoint(tmp_path, "rm", parent_weights=sft, state=True)
+    old_sft = tmp_path / "old.safetensors"
+    old_sft.write_bytes(b"an older SFT model")
+    for stage in pipeline.ALIGNED:
+        fake_checkpoint(tmp_path, stage, parent_weights=old_sft)
+    assert planned(["--resume"]) == {"pretrain": None, "sft": None, "rm": ["--resume"], "ppo": ["--overwrite"],
+                                     "dpo": ["--overwrite"], "grpo": ["--overwrite"]}
+    assert planned(["--resume", "--preset", "tiny"]) == {s: ["--overwrite"] for s, _ in pipeline.STAGES}
+    assert planned(["--overwrite"]) == {s: ["--overwrite"] for s, _ in pipeline.STAGES}
+    assert planned([]) == {s: [] for s, _ in pipeline.STAGES}
+
+    (tmp_path / pipeline.CHECKPOINTS["pretrain"] / "model.safetensors").write_bytes(b"pretrained again")
+    assert planned(["--resume"]) == {"pretrain": None, **{s: ["--overwrite"] for s, _ in pipeline.STAGES[1:]}}
+
+
+def test_a_stopped_stage_tells_how_to_continue_the_pipeline(monkeypatch):
+    """A stage that saved its state on Ctrl-C returns 130; the pipeline stops with the same signal and a hint that
+    continues the pipeline (not the stage alone)."""
+    import signal
+
+    import cli
+
+    monkeypatch.setattr(cli, "interrupt_hint", None)
+    monkeypatch.setattr(pipeline.sys, "argv", ["pipeline.py", "--preset", "tiny"])
+    with pytest.raises(KeyboardInterrupt) as stopped:
+        pipeline.step(2, 9, "0-PRETRAIN.py", ["python", "0-PRETRAIN.py"], 0.0, main=lambda argv: 130)
+    assert stopped.value.args == (signal.SIGINT,)
+    assert cli.interrupt_hint.startswith("continue the pipeline with: ")
+    assert cli.interrupt_hint.endswith("pipeline.py --preset tiny --resume")

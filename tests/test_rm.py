@@ -341,6 +341,39 @@ def run_cli(argv):
 
 
 @pytest.mark.slow
+def test_ctrl_c_in_the_final_evaluation_keeps_the_trained_steps(easy_data, random_init, tmp_path, capsys,
+                                                                monkeypatch):
+    """Ctrl-C while the test split is scored, after the last step: the steps are saved as a resumable state and
+    the stop line says how to go on; --resume then runs only the evaluation and writes what a straight run
+    writes. (Before, nothing was saved: the steps were lost.)"""
+    import cli
+
+    common = ("--max_steps", "4", "--eval_every", "2")
+    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+    assert RM.main(rm_args(easy_data, random_init, straight, *common)) == 0
+    read = RM.read_preference_pairs
+
+    def interrupted(files, what):
+        if what == "--test_files":
+            raise KeyboardInterrupt
+        return read(files, what)
+
+    monkeypatch.setattr(RM, "read_preference_pairs", interrupted)
+    monkeypatch.setattr(cli, "interrupt_hint", None)
+    capsys.readouterr()
+    assert run_cli(rm_args(easy_data, random_init, stopped, *common)) == 130
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith(f"stopped by SIGINT; the trained steps are saved in {stopped}") and "--resume" in err
+    assert (stopped / "state" / "trainer_state.json").exists()
+    monkeypatch.setattr(RM, "read_preference_pairs", read)
+    assert RM.main(rm_args(easy_data, random_init, stopped, *common, "--resume")) == 0
+    assert not (stopped / "state").exists()
+    assert (stopped / "model.safetensors").read_bytes() == (straight / "model.safetensors").read_bytes()
+    metrics = lambda d: json.loads((d / "config.json").read_text(encoding="utf-8"))["metrics"]  # noqa: E731
+    assert metrics(stopped) == metrics(straight)
+
+
+@pytest.mark.slow
 def test_score_runs_in_fp32_unless_mixed_precision_asks(trained_rm, tmp_path, capsys):
     rows = write_jsonl(tmp_path / "t.jsonl", [{"prompt": "评价：", "response": "日月好山水"},
                                               {"prompt": "评价：", "response": "风云差"}])
