@@ -228,10 +228,12 @@ def main(argv=None):
     # same results, without paying the start-up again (importing torch and the rest, and the judge's models: about
     # 4 s each). Any other launcher (accelerate launch, torchrun) starts its own processes.
     here = launch == py
+    kept = []
     for number, (stage, script, command) in enumerate(plan_stages(args, launch), start=2):
         if command is None:
             rows = read_rows(os.path.join(ROOT, CHECKPOINTS[stage], "metrics.jsonl"))
-            times[stage] = rows[-1].get("time_s", 0.0) if rows else 0.0  # its own training time, in that run
+            times[stage] = max([r["time_s"] for r in rows if "time_s" in r] or [0.0])  # its training, in that run
+            kept.append(script.removesuffix(".py"))
             print(f"\n=== [{number}/{total}] {script}: kept, finished by the earlier run ({CHECKPOINTS[stage]}) ===",
                   flush=True)
             continue
@@ -259,7 +261,7 @@ def main(argv=None):
     times["best_of_n"] = time.time() - t0
 
     print(f"\n=== [{total}/{total}] report card ===", flush=True)
-    report = write_report(args, times, answers, best_of_n, baselines)
+    report = write_report(args, times, answers, best_of_n, baselines, kept)
     print(report)
     print(f"\nwritten to {os.path.join(args.report_dir, 'report.md')} (total {(time.time() - started) / 60:.1f} min)")
     return 0
@@ -399,8 +401,9 @@ def aligned_summary(stage: str, metrics: dict, fmt, first_row: dict | None = Non
             f"{fmt(sft.get('judge'))} → {fmt(aligned.get('judge'))}, KL {fmt(metrics.get('kl'), '.2f')} nats/response")
 
 
-def write_report(args, times, answers, best_of_n=None, baselines=None) -> str:
-    """reports/report.md: stage table, held-out comparison, curves, answers table. Returns the markdown."""
+def write_report(args, times, answers, best_of_n=None, baselines=None, kept=()) -> str:
+    """reports/report.md: stage table, held-out comparison, curves, answers table (``kept``: the stages that
+    ``--resume`` kept from the earlier run). Returns the markdown."""
     configs = {stage: read_json(os.path.join(ROOT, d, "config.json")) for stage, d in CHECKPOINTS.items()}
     rows = {stage: read_rows(os.path.join(ROOT, d, "metrics.jsonl")) for stage, d in CHECKPOINTS.items()}
     m = {stage: configs[stage].get("metrics", {}) for stage in CHECKPOINTS}
@@ -437,6 +440,8 @@ def write_report(args, times, answers, best_of_n=None, baselines=None) -> str:
              f"the SFT model, scored by the RM |", "",
              f"Precision: {', '.join(sorted({configs[s].get('mixed_precision', 'no') for s in CHECKPOINTS}))} "
              f"autocast (`--mixed_precision`; bf16 where the CPU or GPU computes it natively).", "",
+             *([f"Kept from the earlier run by `--resume`: {', '.join(kept)}; their wall times are their training "
+                f"loops' in that run.", ""] if kept else []),
              "Counting baselines, computed by the pipeline on the same splits: the *token bigram* is the "
              "cross-entropy of an interpolated Kneser–Ney bigram fitted on `data/pretrain/train.jsonl` (each token "
              "predicted from the one before it alone); a pretrained model that does not beat it has learnt no more "
