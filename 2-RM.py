@@ -26,7 +26,7 @@ import torch
 from checkpoint import check_output_dir, load_backbone, load_checkpoint
 from chinese_tokenizer import apply_chat_template, load_tokenizer
 from cli import UserError, default_path, fill_defaults, positive_float, positive_int, run, stage_parser
-from corpus import expand_files, length_grouped_batches, pad_right, read_jsonl, read_lines, read_preference_pairs
+from corpus import expand_files, length_grouped_batches, non_blank_lines, pad_right, read_jsonl, read_preference_pairs
 from gpt_model import RewardModel
 from reward import pair_metrics, pairwise_loss, pointwise_loss, score_texts
 from training import BatchSchedule, StageRun, make_accelerator, make_optimizer, spread_subset
@@ -126,13 +126,9 @@ def texts_to_score(args) -> tuple[list[str], list[str]]:
                 prompts.append(r["prompt"] if "prompt" in fields else r.get("prompt", args.prompt))
                 responses.append(r["response"] if "response" in fields else r["text"])
         else:
-            every = read_lines(path, "--texts_file")
-            lines = [line for line in every if line.strip()]
+            lines = non_blank_lines(path, "--texts_file", one_per="score")
             if not lines:
                 raise UserError(f"--texts_file {path} holds no text; give one response per line")
-            if len(lines) < len(every):  # the scores follow the non-blank lines, so say where they stop lining up
-                print(f"note: skipped {len(every) - len(lines)} blank line(s) of {path}; one score per non-blank line",
-                      file=sys.stderr)
             prompts += [args.prompt] * len(lines)
             responses += lines
     return prompts, responses

@@ -41,14 +41,17 @@ def check_output_dir(output_dir: str, overwrite: bool, resume: bool) -> None:
         UserError: it exists without ``--overwrite``/``--resume``, or ``--resume`` finds no saved state.
     """
     exists = os.path.exists(os.path.join(output_dir, CONFIG_FILE))
+    resumable = os.path.isdir(os.path.join(output_dir, STATE_DIR))
     if resume:
-        if not os.path.isdir(os.path.join(output_dir, STATE_DIR)):
-            raise UserError(f"--resume: no saved training state in {output_dir}/{STATE_DIR}; "
+        if not resumable:
+            finished = " (it holds a finished checkpoint: pass --overwrite instead to train it again)" if exists else ""
+            raise UserError(f"--resume: no saved training state in {output_dir}/{STATE_DIR}{finished}; "
                             f"drop --resume to start a new run")
         return
     if exists and not overwrite:
-        raise UserError(f"{output_dir} already holds a checkpoint; pass --overwrite to replace it, --resume to "
-                        f"continue it, or choose another --output_dir")
+        resume_it = "--resume to continue its saved state, " if resumable else ""
+        raise UserError(f"{output_dir} already holds a checkpoint; pass --overwrite to replace it, {resume_it}"
+                        f"or choose another --output_dir")
     if os.path.exists(output_dir) and not os.path.isdir(output_dir):
         raise UserError(f"--output_dir {output_dir} is a file; choose a directory path")
 

@@ -25,6 +25,7 @@ import itertools
 import json
 import os
 import re
+import sys
 
 import numpy as np
 import torch
@@ -312,9 +313,22 @@ def prompt_of(where: str, row):
     return turns[0][1] if len(turns) == 1 else tuple(turns)  # one user turn: the plain string, as before
 
 
-def read_prompt_lines(path: str, what: str) -> list[str]:
-    """The prompts of a text file, one per line, blank lines skipped; ``UserError`` if there are none."""
-    prompts = [line for line in read_lines(path, what) if line.strip()]
+def non_blank_lines(path: str, what: str, one_per: str | None = None) -> list[str]:
+    """The lines of text file ``path`` that are not blank. With ``one_per`` (what is written for each line, e.g.
+    "score"), a note on stderr counts the blank lines skipped: the outputs then follow the non-blank lines, not the
+    file's line numbers."""
+    every = read_lines(path, what)
+    lines = [line for line in every if line.strip()]
+    if one_per and len(lines) < len(every):
+        print(f"note: skipped {len(every) - len(lines)} blank line(s) of {path}; one {one_per} per non-blank line",
+              file=sys.stderr)
+    return lines
+
+
+def read_prompt_lines(path: str, what: str, one_per: str | None = None) -> list[str]:
+    """The prompts of a text file, one per line, blank lines skipped (counted on stderr with ``one_per``, see
+    ``non_blank_lines``); ``UserError`` if there are none."""
+    prompts = non_blank_lines(path, what, one_per)
     if not prompts:
         raise UserError(f"{what} {path} holds no prompt; write one prompt per line")
     return prompts

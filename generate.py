@@ -297,7 +297,7 @@ def read_prompts(path: str) -> list:
 
     if path.endswith((".jsonl", ".json", ".parquet")):
         return read_prompt_files(path, "--prompts_file")
-    return read_prompt_lines(path, "--prompts_file")
+    return read_prompt_lines(path, "--prompts_file", one_per="answer")
 
 
 def print_answer(prompt: str, model, tokenizer, chat: bool, args, reward_model=None) -> None:

@@ -968,7 +968,11 @@ def build_all(data_dir: Path, cache_dir: Path, with_poetry: bool, log, rebuild_t
 
 class OneLineErrors(argparse.ArgumentParser):
     """Usage errors in one line and exit code 2, as the stage scripts print them (``cli.ArgumentParser``, which
-    this script cannot import: it runs before the project's requirements are installed)."""
+    this script cannot import: it runs before the project's requirements are installed). Flags must be spelled
+    out, as there: no prefix matching (``--with-p`` would start an 85 MB download unasked)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(allow_abbrev=False, **kwargs)
 
     def error(self, message):
         self.exit(2, f"error: {message}; see {self.prog} --help\n")

@@ -183,10 +183,11 @@ def test_help():
     assert proc.returncode == 0 and "--tokenizer-only" in proc.stdout and "--data_dir" in proc.stdout
 
 
-def test_a_bad_flag_is_a_one_line_error():
-    proc = run_prepare("--tokenizer-onyl")
+@pytest.mark.parametrize("flag", ["--tokenizer-onyl", "--qui"])  # a typo, and a prefix of --quiet (not accepted)
+def test_a_bad_flag_is_a_one_line_error(flag):
+    proc = run_prepare(flag)
     assert proc.returncode == 2 and proc.stdout == ""
-    assert proc.stderr.startswith("error: ") and "--tokenizer-onyl" in proc.stderr and proc.stderr.count("\n") == 1
+    assert proc.stderr.startswith("error: ") and flag in proc.stderr and proc.stderr.count("\n") == 1
 
 
 @pytest.mark.parametrize("mode", [[], ["--tokenizer-only"]])

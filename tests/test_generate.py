@@ -256,9 +256,9 @@ def test_prompts_file_text_and_jsonl(capsys, tmp_path, ckpts, policy, tokenizer)
 
     text_file = tmp_path / "prompts.txt"
     text_file.write_text(f"{prompts[0]}\n\n{prompts[1]}\n   \n{prompts[2]}\n", encoding="utf-8")
-    code, out, _ = cli(capsys, "--checkpoint", ckpts["sft"], "--prompts_file", text_file, "--temperature", 0,
-                       "--max_new_tokens", 6)
-    assert code == 0
+    code, out, err = cli(capsys, "--checkpoint", ckpts["sft"], "--prompts_file", text_file, "--temperature", 0,
+                         "--max_new_tokens", 6)
+    assert code == 0 and f"skipped 2 blank line(s) of {text_file}; one answer per non-blank line" in err
     assert [json.loads(line) for line in out.splitlines()] == [
         {"prompt": p, "response": r} for p, r in zip(prompts, expected)]
 

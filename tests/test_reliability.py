@@ -281,6 +281,23 @@ def test_impossible_settings_stop_before_anything_is_written(tmp_path, tiny_corp
     assert not out.exists()
 
 
+def test_overwrite_and_resume_messages_offer_what_the_folder_allows(tmp_path):
+    """A finished checkpoint: the refusal offers --overwrite, not --resume, and --resume on it says to use
+    --overwrite; a folder with a saved state offers --resume."""
+    from checkpoint import check_output_dir
+
+    (tmp_path / "config.json").write_text("{}", encoding="utf-8")
+    with pytest.raises(UserError) as refused:
+        check_output_dir(str(tmp_path), overwrite=False, resume=False)
+    assert "--overwrite" in str(refused.value) and "--resume" not in str(refused.value)
+    with pytest.raises(UserError, match="finished checkpoint: pass --overwrite instead"):
+        check_output_dir(str(tmp_path), overwrite=False, resume=True)
+    (tmp_path / "state").mkdir()
+    with pytest.raises(UserError, match="--resume to continue its saved state"):
+        check_output_dir(str(tmp_path), overwrite=False, resume=False)
+    check_output_dir(str(tmp_path), overwrite=False, resume=True)
+
+
 def test_resume_without_a_saved_state(tmp_path, tiny_corpus):
     result = run_script("0-PRETRAIN.py", "--preset", "tiny", "--output_dir", tmp_path / "none", "--resume",
                         "--train_files", tiny_corpus / "train.txt", "--val_files", tiny_corpus / "val.txt")
