@@ -8,6 +8,7 @@ a mistake they can fix.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import signal
 import sys
@@ -90,15 +91,15 @@ def non_negative_int(text: str) -> int:
 
 def positive_float(text: str) -> float:
     value = float(text)
-    if not value > 0:  # also rejects nan
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    if not 0 < value < math.inf:  # also rejects nan
+        raise argparse.ArgumentTypeError(f"must be a finite positive number, got {text}")
     return value
 
 
 def non_negative_float(text: str) -> float:
     value = float(text)
-    if not value >= 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    if not 0 <= value < math.inf:  # inf would pass a plain >= 0 (e.g. --temperature inf: uniform noise)
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
     return value
 
 

@@ -319,7 +319,7 @@ def non_blank_lines(path: str, what: str, one_per: str | None = None) -> list[st
     file's line numbers."""
     every = read_lines(path, what)
     lines = [line for line in every if line.strip()]
-    if one_per and len(lines) < len(every):
+    if one_per and 0 < len(lines) < len(every):  # none left is the caller's error, which says enough
         print(f"note: skipped {len(every) - len(lines)} blank line(s) of {path}; one {one_per} per non-blank line",
               file=sys.stderr)
     return lines

@@ -131,7 +131,7 @@ def read_hf_config(path: str) -> dict:
         raise UserError(f"{config_path} does not hold a JSON object; download the model again")
     if "stage" in config and "model" in config:
         raise UserError(f"{path} is a checkpoint of this project, not a Hugging Face directory; "
-                        f"use --init {path} instead")
+                        f"give it to a stage as --init {path} (e.g. 1-SFT.py), or to generate.py as --checkpoint")
     if config.get("model_type", "gpt2") != "gpt2":
         raise UserError(f"{config_path} describes a '{config['model_type']}' model; only GPT-2 (model_type gpt2) "
                         f"maps onto GPTModel")

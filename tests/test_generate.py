@@ -388,6 +388,7 @@ def test_default_checkpoint_is_the_latest_stage(capsys, monkeypatch, tmp_path, c
     (["--prompts_file", "{root}/blank.txt", "--checkpoint", "{sft}"], ["blank.txt", "no prompt"]),
     (["--prompt", "x", "--output", "a.jsonl"], ["--output", "--prompts_file"]),
     (["--prompt", "x", "--checkpoint", "{sft}", "--device", "toaster"], ["--device", "cpu"]),
+    (["--prompt", "x", "--checkpoint", "{sft}", "--temperature", "inf"], ["--temperature", "finite"]),
     (["--prompts_file", "{root}/ok.txt", "--output", "{root}/no/such/dir/out.jsonl"], ["--output", "create it"]),
     (["--prompts_file", "{root}/ok.txt", "--output", "{root}/blank.txt"],
      ["--output", "already exists", "--overwrite"]),

@@ -267,6 +267,7 @@ def test_non_utf8_text_file(tmp_path):
 @pytest.mark.parametrize("extra, needle", [
     (["--batch_size", "0"], "--batch_size"),
     (["--learning_rate", "-0.1"], "--learning_rate"),
+    (["--learning_rate", "inf"], "--learning_rate"),
     (["--context_length", "999"], "--context_length 999"),
     (["--preset", "huge"], "--preset"),
     (["--train_files", "missing/*.txt"], "missing/*.txt"),
