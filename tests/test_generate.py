@@ -79,6 +79,21 @@ def test_greedy_pretrain_is_plain_continuation(capsys, ckpts, policy, tokenizer)
     assert "plain continuation" in err
 
 
+def test_an_unfinished_run_is_named_in_a_note(capsys, tmp_path, ckpts):
+    """A checkpoint folder with a state/ (Ctrl-C, --stop_after) generates, with a note that it is unfinished."""
+    import shutil
+
+    stopped = tmp_path / "stopped"
+    shutil.copytree(ckpts["pretrain"], stopped)
+    (stopped / "state").mkdir()
+    (stopped / "state" / "trainer_state.json").write_text(json.dumps({"step": 0, "settings": {"max_steps": 300}}),
+                                                          encoding="utf-8")
+    code, out, err = cli(capsys, "--checkpoint", stopped, "--prompt", PROMPT, "--max_new_tokens", 3)
+    assert code == 0 and out and f"note: {stopped} is an unfinished run, stopped at step" in err and "of 300" in err
+    code, _, err = cli(capsys, "--checkpoint", ckpts["pretrain"], "--prompt", PROMPT, "--max_new_tokens", 3)
+    assert code == 0 and "unfinished" not in err
+
+
 def test_greedy_sft_uses_chat_template_and_raw_turns_it_off(capsys, ckpts, policy, tokenizer):
     args = ("--prompt", PROMPT, "--temperature", 0, "--max_new_tokens", 12)
     _, chat_out, err = cli(capsys, "--checkpoint", ckpts["sft"], *args)
