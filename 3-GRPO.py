@@ -55,7 +55,8 @@ def parse_args(argv=None):
     p = stage_parser("Stage 3 (GRPO): Group Relative Policy Optimization of the SFT model against the reward model.",
                      default_path("checkpoints", "grpo"), DEFAULTS,
                      steps="GRPO iterations (--rollout_size prompts answered --group_size times each, then the "
-                           "updates on them)")
+                           "updates on them)",
+                     examples="held-out prompts (the first of --val_prompts_file)")
     p.add_argument("--policy", default=default_path("checkpoints", "sft"), help="SFT checkpoint: policy and reference")
     p.add_argument("--prompts_file", default=default_path("data", "ppo", "prompts.jsonl"),
                    help='.jsonl lines with a "prompt" (or alpaca / "messages" records, corpus.prompt_of), or a .txt '

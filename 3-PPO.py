@@ -72,7 +72,8 @@ DEFAULTS = {
 def parse_args(argv=None):
     p = stage_parser("Stage 3: PPO against the reward model with a KL penalty to the SFT model.",
                      default_path("checkpoints", "ppo"), DEFAULTS,
-                     steps="PPO iterations (a rollout of --rollout_size prompts, then the updates on it)")
+                     steps="PPO iterations (a rollout of --rollout_size prompts, then the updates on it)",
+                     examples="held-out prompts (the first of --val_prompts_file)")
     p.add_argument("--policy", default=default_path("checkpoints", "sft"), help="SFT checkpoint: policy and reference")
     p.add_argument("--prompts_file", default=default_path("data", "ppo", "prompts.jsonl"),
                    help='.jsonl lines with a "prompt" (or alpaca / "messages" records, corpus.prompt_of), or a .txt '

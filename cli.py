@@ -56,7 +56,7 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescript
     the description and epilog keep their line breaks."""
 
     def _get_help_string(self, action):
-        if action.default in (None, False, []) or "default:" in (action.help or ""):
+        if action.default in (None, False, [], "") or "default:" in (action.help or ""):
             return action.help
         return super()._get_help_string(action)
 
@@ -118,10 +118,11 @@ def probability(text: str) -> float:
 
 
 def stage_parser(description: str, output_dir: str, defaults: dict, steps: str = "optimizer steps",
-                 new_model: bool = False) -> ArgumentParser:
+                 examples: str = "validation pairs", new_model: bool = False) -> ArgumentParser:
     """An ``ArgumentParser`` with the flags every training stage shares; ``--help`` ends with the stage's
     per-preset ``defaults`` (the values used for flags left unset). ``steps`` names what ``--max_steps`` counts
-    in this stage (PPO and GRPO count iterations: a rollout and the updates on it); ``new_model`` says that the
+    in this stage (PPO and GRPO count iterations: a rollout and the updates on it), ``examples`` what
+    ``--eval_examples`` counts (validation pairs, blocks of text, held-out prompts); ``new_model`` says that the
     stage can build a model of the preset's size (pretraining), so ``--preset``'s help lists the sizes.
 
     The stage adds its own data and model-source flags (``--init``, ``--policy``/``--reward``) after this.
@@ -137,7 +138,8 @@ def stage_parser(description: str, output_dir: str, defaults: dict, steps: str =
                    help=f"run length and optimisation (see the end of this help){size}")
     p.add_argument("--output_dir", default=output_dir, help="where the stage checkpoint is written")
     p.add_argument("--overwrite", action="store_true", help="replace an existing checkpoint in --output_dir")
-    p.add_argument("--resume", action="store_true", help="continue from --output_dir/state (saved by --save_every)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from --output_dir/state (saved by Ctrl-C, --stop_after or --save_every)")
     p.add_argument("--seed", type=int, default=1234, help="one seed for weights, data order, dropout, sampling")
     p.add_argument("--max_steps", type=positive_int,
                    help=f"length of the whole run in {steps} (default: the preset's)")
@@ -151,8 +153,7 @@ def stage_parser(description: str, output_dir: str, defaults: dict, steps: str =
     p.add_argument("--warmup_steps", type=non_negative_int, help="linear warm-up steps before the cosine decay")
     p.add_argument("--max_grad_norm", type=positive_float, default=1.0, help="gradient clipping threshold")
     p.add_argument("--eval_every", type=positive_int, help="evaluate every N steps")
-    p.add_argument("--eval_examples", type=positive_int, help="validation examples used at each evaluation: blocks in "
-                   "pretraining, pairs in SFT, the RM and DPO, held-out prompts in PPO and GRPO")
+    p.add_argument("--eval_examples", type=positive_int, help=f"{examples} used at each evaluation")
     p.add_argument("--save_every", type=positive_int, help="save a resumable checkpoint every N steps")
     p.add_argument("--mixed_precision", default="auto", choices=["auto", "no", "bf16", "fp16"],
                    help="autocast precision of the matmuls: auto keeps what `accelerate launch` was given "
