@@ -184,20 +184,26 @@ def attention_reference(queries, keys, values, visible=None, dropout=None):
 
 
 def rope_angles(head_dim: int, positions, base: float = 10000.0):
-    """cos and sin of the rotary angles theta_i * m for integer positions m (Su et al. 2021).
+    """The rotations of RoPE for integer positions m (Su et al. 2021): e^{i theta_j m} = cos(theta_j m) +
+    i sin(theta_j m), theta_j = base^(-2j / d_h), one per pair of dimensions.
 
-    positions: (B, T) long -> cos, sin: (B, 1, T, d_h / 2), broadcastable over heads.
+    positions: (B, T) long -> (B, 1, T, d_h / 2) complex64, broadcastable over heads.
     """
     theta = base ** (-torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
     angles = positions.to(torch.float32)[:, None, :, None] * theta  # (B, 1, T, d_h/2)
-    return angles.cos(), angles.sin()
+    return torch.complex(angles.cos(), angles.sin())  # (B, 1, T, d_h/2)
 
 
-def apply_rope(x, cos, sin):
-    """Rotate each adjacent pair of dimensions (2i, 2i+1) of x: (B, H, T, d_h) by its position's angle."""
-    x1, x2 = x[..., 0::2].float(), x[..., 1::2].float()  # (B, H, T, d_h/2)
-    rotated = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)  # (B, H, T, d_h/2, 2)
-    return rotated.flatten(-2).to(x.dtype)  # (B, H, T, d_h)
+def apply_rope(x, rotation):
+    """Rotate each adjacent pair of dimensions (2i, 2i+1) of x: (B, H, T, d_h) by its position's angle.
+
+    A pair read as the complex number x_2i + i x_2i+1, times e^{i angle}, is the 2-D rotation
+    (x_2i cos - x_2i+1 sin, x_2i sin + x_2i+1 cos): one complex multiply instead of the ten real operations
+    written out (same result to the bit, 6x faster forward and backward at the demo's training shapes,
+    bench/README.md). ``rotation``: (B, 1, T, d_h / 2) from ``rope_angles``. Computed in float32.
+    """
+    pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))  # (B, H, T, d_h/2) complex
+    return torch.view_as_real(pairs * rotation).flatten(-2).to(x.dtype)  # (B, H, T, d_h)
 
 
 class KVCache:
@@ -259,7 +265,8 @@ class MultiHeadAttention(nn.Module):
             x: (B, T, E) hidden states of the new tokens.
             visible: None for a plain causal pass, else a bool mask (B, 1, T, Tk) where True means "may attend";
                 Tk counts cached positions plus the T new ones.
-            rope: (cos, sin) for the new positions when rotary embeddings are on.
+            rope: the rotations (B, 1, T, d_h/2) of the new positions (``rope_angles``) when rotary embeddings
+                are on.
             cache: keys/values of earlier positions; the new ones are written into it.
         Returns:
             (B, T, E).
@@ -269,7 +276,7 @@ class MultiHeadAttention(nn.Module):
         keys = self.W_key(x).view(b, num_tokens, self.num_heads, self.head_dim).transpose(1, 2)  # (B, H, T, d_h)
         values = self.W_value(x).view(b, num_tokens, self.num_heads, self.head_dim).transpose(1, 2)  # (B, H, T, d_h)
         if self.use_rope:
-            queries, keys = apply_rope(queries, *rope), apply_rope(keys, *rope)
+            queries, keys = apply_rope(queries, rope), apply_rope(keys, rope)
         if cache is not None:
             keys, values = cache.update(layer, keys, values)  # (B, H, Tk, d_h)
 

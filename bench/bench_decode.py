@@ -155,8 +155,8 @@ def operation_costs(model: GPTModel, cached: int = 40) -> list[tuple[str, int, f
                 ("argmax over the vocabulary", 1, op_time(lambda: logits.argmax(dim=-1)), 0),
                 ("(amax over the vocabulary, for scale)", 0, op_time(lambda: logits.amax(dim=-1)), 0)]
         if cfg.position_embedding == "rope":
-            cos, sin = rope_angles(d_h, torch.tensor([[cached]]))
-            out.append(("rotary embedding (q or k)", 2 * layers, op_time(lambda: apply_rope(q, cos, sin)), 0))
+            rotation = rope_angles(d_h, torch.tensor([[cached]]))
+            out.append(("rotary embedding (q or k)", 2 * layers, op_time(lambda: apply_rope(q, rotation)), 0))
     return out
 
 

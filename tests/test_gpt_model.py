@@ -334,8 +334,8 @@ def test_attention_reference_fully_masked_row_is_zero_not_nan():
 
 def rotate(vec, position):
     """RoPE applied to one (d,) vector at an integer position through the module's functions."""
-    cos, sin = gm.rope_angles(vec.shape[-1], torch.tensor([[position]]))
-    return gm.apply_rope(vec.view(1, 1, 1, -1), cos, sin).view(-1)
+    rotation = gm.rope_angles(vec.shape[-1], torch.tensor([[position]]))
+    return gm.apply_rope(vec.view(1, 1, 1, -1), rotation).view(-1)
 
 
 def test_rope_two_dimensions_is_a_rotation_by_the_position():
@@ -344,6 +344,26 @@ def test_rope_two_dimensions_is_a_rotation_by_the_position():
     got = rotate(torch.tensor([x, y]), m)
     expected = torch.tensor([x * math.cos(m) - y * math.sin(m), x * math.sin(m) + y * math.cos(m)])
     torch.testing.assert_close(got, expected)
+
+
+def test_rope_rotates_each_pair_by_its_own_frequency():
+    """d_h = 8 at position m: pair j = (x_2j, x_2j+1) turns by m * 10000^(-2j/8) radians, written out with real cos
+    and sin; a batch of positions and heads gets what each vector gets alone (to rounding: the vectorised complex
+    multiply may round the last bit differently)."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 3, 5, 8, generator=g, dtype=torch.float64).float()  # (B, H, T, d_h)
+    positions = torch.tensor([[0, 1, 2, 30, 255], [7, 7, 8, 100, 3]])
+    got = gm.apply_rope(x, gm.rope_angles(8, positions))
+    for b in range(2):
+        for h in range(3):
+            for t in range(5):
+                m, expected = positions[b, t].item(), []
+                for j in range(4):
+                    angle = m * 10000 ** (-2 * j / 8)
+                    a, c = x[b, h, t, 2 * j].item(), x[b, h, t, 2 * j + 1].item()
+                    expected += [a * math.cos(angle) - c * math.sin(angle), a * math.sin(angle) + c * math.cos(angle)]
+                torch.testing.assert_close(got[b, h, t], torch.tensor(expected), atol=2e-6, rtol=1e-5)
+                torch.testing.assert_close(rotate(x[b, h, t], m), got[b, h, t])
 
 
 def test_rope_score_depends_only_on_relative_position():
