@@ -153,12 +153,16 @@ def main(argv=None):
     table = []  # the latest greedy answers to the fixed prompts
     stage.files["samples.md"] = lambda path: write_samples(path, table, stage.step)
 
+    def answer_the_samples() -> None:
+        """Greedy answers to the fixed prompts into ``table`` (greedy uses no randomness: exact resume holds)."""
+        table[:] = [{"prompt": r["prompt"], "reference": r["response"],
+                     "answer": answer(stage.saved, r["messages"][:-1], tokenizer, cfg.context_length)}
+                    for r in sample_rows]
+
     def evaluate_and_answer() -> dict:
         """Response-only val loss and perplexity; greedy answers to the fixed prompts into ``table``, printed."""
         val_loss = evaluate_lm(model, eval_pairs, val.collate, args.batch_size, accelerator)
-        table[:] = [{"prompt": r["prompt"], "reference": r["response"],
-                     "answer": answer(stage.saved, r["messages"][:-1], tokenizer, cfg.context_length)}
-                    for r in sample_rows]  # greedy: uses no randomness, so exact resume is unaffected
+        answer_the_samples()
         lines = "\n".join(f"  {r['prompt']} -> {shown(r['answer'])}" for r in table)
         stage.print(f"step {stage.step}: val response loss {val_loss:.3f}, perplexity "
                     f"{math.exp(min(val_loss, 50)):.1f}\n{lines}")
@@ -185,6 +189,8 @@ def main(argv=None):
         if stage.eval_due:
             row.update(evaluate_and_answer())
         stage.log(row, show=("train_loss", "lr"))
+    if not table:  # resumed after its last evaluation (a Ctrl-C at the last step): samples.md needs the answers
+        answer_the_samples()
     before, after = stage.results["val_loss_before_sft"], stage.latest_val().get("val_loss", float("nan"))
     return stage.finish(f"val response loss {before:.3f} -> {after:.3f}; answers in "
                         f"{os.path.join(args.output_dir, 'samples.md')}")

@@ -24,7 +24,7 @@ import torch
 from alignment import (ROLLOUT_MONITORS, add_held_out_arguments, as_val_row, describe, from_val_row,
                        held_out_monitors, load_policy_and_reward, masked_mean, monitors_of, penalise_unfinished,
                        read_prompts, record_held_out, rollout, token_logprobs)
-from checkpoint import check_output_dir
+from checkpoint import check_output_dir, parent_meta
 from chinese_tokenizer import load_tokenizer
 from cli import UserError, default_path, fill_defaults, non_negative_float, positive_float, positive_int, run, \
     stage_parser
@@ -144,7 +144,7 @@ def main(argv=None):
     policy.eval()  # dropout off: sampling and updates see the same network, and KL is 0 before the first update
     unwrapped = accelerator.unwrap_model(policy)
     stage = StageRun("grpo", args, accelerator, policy, optimizer, tokenizer,
-                     {**parent, "reward": os.path.abspath(args.reward), "group_size": args.group_size},
+                     {**parent, **parent_meta(args.reward, "reward"), "group_size": args.group_size},
                      plot=("curves.png", [("score", "val_score"), ("judge", "val_judge"), ("kl", "val_kl"),
                                           ("length", "val_length"), ("eos_share", "val_eos_share"),
                                           ("distinct_2", "val_distinct_2"), "clip_fraction", "train_loss"]))

@@ -39,7 +39,7 @@ from safetensors.torch import load_model, save_model
 from alignment import (KL_LIMIT, ROLLOUT_MONITORS, add_held_out_arguments, as_val_row, describe, from_val_row,
                        held_out_monitors, load_policy_and_reward, masked_mean, monitors_of, penalise_unfinished,
                        read_prompts, record_held_out, rollout, token_logprobs)
-from checkpoint import check_output_dir
+from checkpoint import check_output_dir, parent_meta
 from chinese_tokenizer import load_tokenizer
 from cli import default_path, fill_defaults, non_negative_float, positive_float, positive_int, run, stage_parser, \
     unit_interval
@@ -203,7 +203,7 @@ def main(argv=None):
     trained.eval()  # dropout off everywhere: rollouts and updates see the same network
     unwrapped = accelerator.unwrap_model(trained)
     stage = StageRun("ppo", args, accelerator, trained, optimizer, tokenizer,
-                     {**parent, "reward": os.path.abspath(args.reward)}, plot=("curves.png", CURVES),
+                     {**parent, **parent_meta(args.reward, "reward")}, plot=("curves.png", CURVES),
                      saved=unwrapped.policy, extra={"kl_coef": args.kl_coef},
                      write_state=lambda d: save_model(unwrapped.critic, os.path.join(d, "critic.safetensors")))
     if args.resume:

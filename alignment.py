@@ -23,8 +23,9 @@ import os
 import sys
 
 import torch
+from accelerate import PartialState
 
-from checkpoint import load_backbone, load_checkpoint, read_config
+from checkpoint import CHAT_STAGES, load_backbone, load_checkpoint, read_config
 from chinese_tokenizer import EOS_ID, chat_prompt_ids, decode
 from cli import UserError, default_path, positive_int
 from corpus import pad_left, read_prompt_files, shown_prompt
@@ -317,8 +318,9 @@ def load_policy_and_reward(args, tokenizer, device):
     if args.max_new_tokens > context_length - 3:
         raise UserError(f"--max_new_tokens {args.max_new_tokens} leaves no room for a prompt in a context of "
                         f"{context_length} (the shorter of policy and reward model); lower it")
-    if read_config(args.policy).get("stage") == "pretrain":
+    stage = read_config(args.policy).get("stage")
+    if stage not in CHAT_STAGES and PartialState().is_main_process:
         # allowed (an experiment may want it), but the usual slip is to pass checkpoints/pretrain for checkpoints/sft
-        print(f"note: --policy {args.policy} is a pretrained model that has not been fine-tuned on the chat template "
-              f"(1-SFT.py), so its answers start from plain continuation", file=sys.stderr)
+        print(f"note: --policy {args.policy} is a {stage} checkpoint that has not been fine-tuned on the chat "
+              f"template (1-SFT.py), so its answers start from plain continuation", file=sys.stderr)
     return policy, parent, ref, reward_model, context_length

@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shlex
 import shutil
 import sys
 import tempfile
@@ -32,6 +33,7 @@ from gpt_model import GPTConfig, GPTModel, RewardModel, unwrap_compiled
 
 MODEL_FILE, CONFIG_FILE, TOKENIZER_DIR, STATE_DIR = "model.safetensors", "config.json", "tokenizer", "state"
 MODEL_TYPES = {"gpt": GPTModel, "reward": RewardModel}
+CHAT_STAGES = ("sft", "ppo", "dpo", "grpo")  # the stages whose checkpoints were trained on the chat template
 
 
 def check_output_dir(output_dir: str, overwrite: bool, resume: bool) -> None:
@@ -229,14 +231,16 @@ def load_backbone(path: str, flag: str, tokenizer, written_by: str, kind: str = 
     return model, parent_meta(path)
 
 
-def parent_meta(path: str) -> dict:
-    """What a child checkpoint records about its parent: the path and the sha256 of its weights."""
+def parent_meta(path: str, name: str = "parent") -> dict:
+    """What a child checkpoint records about a checkpoint it was trained from: ``{name: path, name_sha256: the sha256
+    of its weights}`` (``name`` "parent" for the model it starts from, "reward" for PPO's and GRPO's reward model)."""
     weights = os.path.join(path, MODEL_FILE)
-    return {"parent": os.path.abspath(path), "parent_sha256": file_sha256(weights) if os.path.isfile(weights) else None}
+    return {name: os.path.abspath(path), f"{name}_sha256": file_sha256(weights) if os.path.isfile(weights) else None}
 
 
 def command_line() -> str:
-    return " ".join([os.path.basename(sys.executable)] + sys.argv)
+    """This process's command line as a shell would take it back (arguments with spaces quoted)."""
+    return shlex.join([os.path.basename(sys.executable)] + sys.argv)
 
 
 def load_pickle_free(path: str):

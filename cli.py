@@ -30,6 +30,9 @@ def run(main, argv=None) -> None:
     outside a training loop (which saves a resumable state instead, ``training.StopSignal``) into one line and
     128 + the signal's number, after the ``finally`` blocks on the way have cleaned up (e.g. a half-written
     token file). The line ends with ``interrupt_hint`` when a stage has set one."""
+    global interrupt_hint
+    interrupt_hint = None  # a hint belongs to this run only
+
     def stop(signum, frame):
         raise KeyboardInterrupt(signum)
 

@@ -15,8 +15,9 @@ How a prompt becomes model input depends on the checkpoint:
 * an SFT or PPO checkpoint answers through the chat template it was trained on, ``[CLS] prompt [ANS]``.
 
 Either way generation stops at ``[SEP]`` (the end of a document in pretraining, the end of an answer after SFT) or
-after ``--max_new_tokens``. A prompt longer than the model's context keeps its last tokens, and a text that
-grows past it is continued from its last ``context_length`` tokens (a note goes to stderr for either).
+after ``--max_new_tokens``. A prompt longer than the model's context keeps its last tokens (a note goes to
+stderr), and a text that grows past it is continued from its last ``context_length`` tokens (noted when
+``--max_new_tokens`` alone fills the context).
 
 Output: the generated text alone goes to stdout for ``--prompt`` and in the interactive loop (streamed token by
 token; several samples come at the end, separated by a blank line), or
@@ -46,7 +47,7 @@ import sys
 
 import torch
 
-from checkpoint import check_vocab, load_checkpoint, read_config
+from checkpoint import CHAT_STAGES, check_vocab, load_checkpoint, read_config
 from chinese_tokenizer import EOS_ID, IncrementalDecoder, chat_messages_ids, decode, encode, until_eos
 from cli import ArgumentParser, UserError, default_path, non_negative_float, non_negative_int, positive_float, \
     positive_int, probability, run
@@ -55,7 +56,6 @@ from reward import score_texts
 
 # Where the stages write their checkpoints, furthest stage first: the default --checkpoint is the first that exists.
 STAGE_DIRS = [default_path("checkpoints", stage) for stage in ("ppo", "sft", "pretrain")]
-CHAT_STAGES = ("sft", "ppo", "dpo", "grpo")  # checkpoints trained on the chat template
 EXIT_WORDS = ("exit", "quit")
 
 

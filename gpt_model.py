@@ -199,8 +199,9 @@ def apply_rope(x, rotation):
 
     A pair read as the complex number x_2i + i x_2i+1, times e^{i angle}, is the 2-D rotation
     (x_2i cos - x_2i+1 sin, x_2i sin + x_2i+1 cos): one complex multiply instead of the ten real operations
-    written out (same result to the bit, 6x faster forward and backward at the demo's training shapes,
-    bench/README.md). ``rotation``: (B, 1, T, d_h / 2) from ``rope_angles``. Computed in float32.
+    written out (the same up to float32 rounding, 6x faster forward and backward at the demo's training shapes,
+    bench/README.md). ``rotation``: (B, 1, T, d_h / 2) from ``rope_angles``. Computed in float32; under
+    ``torch.compile`` the complex multiply runs as an eager kernel.
     """
     pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))  # (B, H, T, d_h/2) complex
     return torch.view_as_real(pairs * rotation).flatten(-2).to(x.dtype)  # (B, H, T, d_h)

@@ -81,13 +81,7 @@ def step(number: int, total: int, title: str, command: list[str], started: float
           f"{' '.join(shlex.quote(c) for c in command)}", flush=True)
     t0 = time.time()
     try:
-        if main is not None:
-            returncode = in_process(main, command[2:], script=command[1])
-        else:
-            try:
-                returncode = subprocess.run(command, cwd=ROOT).returncode
-            except OSError as e:
-                raise UserError(f"cannot start {command[0]!r} ({e.strerror}); check --launch") from e
+        returncode = in_process(main, command[2:], script=command[1]) if main is not None else run_child(command)
         if returncode in (128 + signal.SIGINT, 128 + signal.SIGTERM):  # the stage saved its state and stopped
             raise KeyboardInterrupt(returncode - 128)
     except KeyboardInterrupt:
@@ -95,8 +89,26 @@ def step(number: int, total: int, title: str, command: list[str], started: float
         raise
     if returncode != 0:
         raise UserError(f"{title} failed (exit code {returncode}); see its message above, fix it, then run "
-                        f"the pipeline again (add --overwrite to replace finished stages)")
+                        f"the pipeline again with --resume (the finished stages are kept) or --overwrite")
     return time.time() - t0
+
+
+def run_child(command: list[str]) -> int:
+    """Run ``command`` as a subprocess in ``ROOT``; its exit code. A Ctrl-C at the terminal reaches the child too:
+    it is given the time to finish its step and save (``subprocess.run`` would kill it after 0.25 s), and a second
+    Ctrl-C stops it at once. Either way the ``KeyboardInterrupt`` goes on up."""
+    try:
+        child = subprocess.Popen(command, cwd=ROOT)
+    except OSError as e:
+        raise UserError(f"cannot start {command[0]!r} ({e.strerror}); check --launch") from e
+    try:
+        return child.wait()
+    except KeyboardInterrupt:
+        try:
+            child.wait()
+        except KeyboardInterrupt:
+            child.kill()
+        raise
 
 
 def in_process(main, argv: list[str], script: str | None = None) -> int:
@@ -110,6 +122,7 @@ def in_process(main, argv: list[str], script: str | None = None) -> int:
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
     here, argv_before = os.getcwd(), sys.argv
+    cli.interrupt_hint = None  # each stage sets its own, as in a process of its own
     try:
         os.chdir(ROOT)  # contextlib.chdir would do, from Python 3.11 on; the README promises 3.10
         if script is not None:
@@ -161,29 +174,47 @@ def tokens_per_second(rows) -> float | None:
 
 
 def kept_from_earlier_run(stage: str, script: str, preset: str) -> bool:
-    """Whether ``--resume`` keeps ``stage``'s checkpoint: finished (no resumable state/ left), written by ``script``
-    with ``--preset preset``, and trained from the checkpoint now in its parent's folder (the sha256 it recorded)."""
+    """Whether ``--resume`` keeps ``stage``'s checkpoint: finished (no resumable state/ left), written by the
+    command the pipeline runs (``written_by_pipeline``) and trained from the checkpoints now in place
+    (``trained_from_its_parent``)."""
     path = os.path.join(ROOT, CHECKPOINTS[stage])
-    config = read_json(os.path.join(path, "config.json")) if os.path.isfile(os.path.join(path, "config.json")) else {}
-    command = f" {config.get('command', '')} "
-    return (bool(config) and not os.path.isdir(os.path.join(path, "state")) and f" {script} " in command
-            and f" --preset {preset} " in command and trained_from_its_parent(stage, config))
+    if not os.path.isfile(os.path.join(path, "config.json")) or os.path.isdir(os.path.join(path, "state")):
+        return False
+    config = read_json(os.path.join(path, "config.json"))
+    return written_by_pipeline(config, script, preset) and trained_from_its_parent(stage, config)
+
+
+def written_by_pipeline(config: dict, script: str, preset: str) -> bool:
+    """Whether ``config`` records the command the pipeline runs for ``script`` (``SCRIPT --preset PRESET``, with
+    or without --overwrite/--resume), whichever interpreter or launcher ran it: a hand-run ``--max_steps 10`` is
+    not the pipeline's stage."""
+    try:
+        words = shlex.split(config.get("command", ""))
+    except ValueError:
+        return False
+    return [w for w in words[1:] if w not in ("--overwrite", "--resume")] == [script, "--preset", preset]
 
 
 def trained_from_its_parent(stage: str, config: dict) -> bool:
-    """Whether ``config`` (of ``stage``'s checkpoint) records the weights its parent stage's folder holds now."""
-    if stage not in PARENTS:
-        return True
-    weights = os.path.join(ROOT, CHECKPOINTS[PARENTS[stage]], "model.safetensors")
-    return os.path.isfile(weights) and config.get("parent_sha256") == file_sha256(weights)
+    """Whether ``config`` (of ``stage``'s checkpoint) records the weights its parent stage's folder holds now, and
+    for PPO and GRPO also those of the reward model in checkpoints/rm (the sha256s it recorded)."""
+    needed = {"parent": PARENTS.get(stage), "reward": "rm" if "reward" in config else None}
+    for name, parent in needed.items():
+        if parent is None:
+            continue
+        weights = os.path.join(ROOT, CHECKPOINTS[parent], "model.safetensors")
+        if not os.path.isfile(weights) or config.get(f"{name}_sha256") != file_sha256(weights):
+            return False
+    return True
 
 
 def plan_stages(args, launch: list[str]) -> list[tuple[str, str, list[str] | None]]:
     """(stage, script, the command that runs it, or None where ``--resume`` keeps its checkpoint) for each stage.
 
     ``--resume`` keeps the leading stages that ``kept_from_earlier_run``; the first other stage continues from its
-    ``state/`` (``--resume``) if it saved one from the parent now in place, and it and every later stage run again
-    (``--overwrite``), since each is trained from the one before."""
+    ``state/`` (``--resume``) if the pipeline's own command saved one from the parents now in place; it and every
+    later stage run again (``--overwrite``), since each is trained from the one before. A kept stage is kept as it
+    is, even if data/ was rebuilt since."""
     plan, resuming = [], args.resume
     for stage, script in STAGES:
         if resuming and kept_from_earlier_run(stage, script, args.preset):
@@ -191,8 +222,9 @@ def plan_stages(args, launch: list[str]) -> list[tuple[str, str, list[str] | Non
             continue
         extra = ["--overwrite"] if args.overwrite or args.resume else []
         folder = os.path.join(ROOT, CHECKPOINTS[stage])
-        if resuming and os.path.isdir(os.path.join(folder, "state")) and \
-                trained_from_its_parent(stage, read_json(os.path.join(folder, "config.json"))):
+        config = read_json(os.path.join(folder, "config.json")) if os.path.isdir(os.path.join(folder, "state")) else {}
+        if resuming and config and written_by_pipeline(config, script, args.preset) and \
+                trained_from_its_parent(stage, config):
             extra = ["--resume"]  # the stopped stage goes on from its saved steps (it refuses other settings)
         resuming = False
         plan.append((stage, script, launch + [script, "--preset", args.preset] + extra))

@@ -144,19 +144,23 @@ def test_best_of_n_rows_start_from_best_of_1_and_are_flagged_like_the_stages():
                                                                                     if k != "1"}))
 
 
-def fake_checkpoint(root, stage, preset="demo", parent_weights=None, state=False, weights=None):
+def fake_checkpoint(root, stage, preset="demo", parent_weights=None, state=False, weights=None, reward_weights=None,
+                    more_flags=""):
     """A folder that looks like ``stage``'s checkpoint to ``plan_stages``: config.json with the stage's command and
-    its parent's sha256, a model.safetensors of its own bytes, and state/ if asked."""
+    its parent's (and reward model's) sha256, a model.safetensors of its own bytes, and state/ if asked."""
     import json
 
     from checkpoint import file_sha256
 
     folder = root / pipeline.CHECKPOINTS[stage]
-    folder.mkdir(parents=True)
+    folder.mkdir(parents=True, exist_ok=True)
     script = dict(pipeline.STAGES)[stage]
     (folder / "model.safetensors").write_bytes(weights or stage.encode())
     parent = file_sha256(str(parent_weights)) if parent_weights else None
-    config = {"stage": stage, "parent_sha256": parent, "command": f"python {script} --preset {preset} --overwrite"}
+    config = {"stage": stage, "parent_sha256": parent,
+              "command": f"python {script} --preset {preset} --overwrite{more_flags}"}
+    if reward_weights:
+        config.update(reward="rm", reward_sha256=file_sha256(str(reward_weights)))
     (folder / "config.json").write_text(json.dumps(config), encoding="utf-8")
     if state:
         (folder / "state").mkdir()
@@ -204,3 +208,23 @@ def test_a_stopped_stage_tells_how_to_continue_the_pipeline(monkeypatch):
     assert stopped.value.args == (signal.SIGINT,)
     assert cli.interrupt_hint.startswith("continue the pipeline with: ")
     assert cli.interrupt_hint.endswith("pipeline.py --preset tiny --resume")
+
+
+def test_resume_runs_again_a_stage_run_by_hand_or_trained_against_another_rm(tmp_path, monkeypatch):
+    """An SFT run by hand with other flags is not the pipeline's stage; a PPO whose recorded reward model is not the
+    one in checkpoints/rm is stale though its SFT parent matches; GRPO after it runs again in any case."""
+    monkeypatch.setattr(pipeline, "ROOT", str(tmp_path))
+    pretrain = fake_checkpoint(tmp_path, "pretrain")
+    sft = fake_checkpoint(tmp_path, "sft", parent_weights=pretrain)
+    rm = fake_checkpoint(tmp_path, "rm", parent_weights=sft)
+    other_rm = tmp_path / "other-rm.safetensors"
+    other_rm.write_bytes(b"another reward model")
+    fake_checkpoint(tmp_path, "ppo", parent_weights=sft, reward_weights=other_rm)
+    fake_checkpoint(tmp_path, "dpo", parent_weights=sft)
+    fake_checkpoint(tmp_path, "grpo", parent_weights=sft, reward_weights=rm)
+    assert planned(["--resume"]) == {"pretrain": None, "sft": None, "rm": None, "ppo": ["--overwrite"],
+                                     "dpo": ["--overwrite"], "grpo": ["--overwrite"]}
+    fake_checkpoint(tmp_path, "ppo", parent_weights=sft, reward_weights=rm)
+    assert planned(["--resume"]) == {s: None for s, _ in pipeline.STAGES}
+    fake_checkpoint(tmp_path, "sft", parent_weights=pretrain, more_flags=" --max_steps 10")
+    assert planned(["--resume"])["sft"] == ["--overwrite"]

@@ -261,7 +261,7 @@ def test_a_pretrained_policy_is_named_in_a_note(tmp_path, tiny_policy_and_rm, to
     args = types.SimpleNamespace(policy=str(policy), reward=str(rm), max_new_tokens=8)
     alignment.load_policy_and_reward(args, tokenizer, "cpu")
     err = capsys.readouterr().err
-    assert err.startswith(f"note: --policy {policy} is a pretrained model") and "1-SFT.py" in err
+    assert err.startswith(f"note: --policy {policy} is a pretrain checkpoint") and "1-SFT.py" in err
     sft = tmp_path / "sft"
     shutil.copytree(policy, sft)
     config = json.loads((sft / "config.json").read_text(encoding="utf-8"))

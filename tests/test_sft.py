@@ -387,6 +387,27 @@ def test_resume_is_bit_identical(workdir):
 
 
 @pytest.mark.slow
+def test_resume_after_a_ctrl_c_at_the_last_step_still_writes_the_answers(workdir, monkeypatch):
+    """Ctrl-C at the last step saves a state at max_steps; --resume then trains nothing and must still write
+    samples.md with the final model's answers (they came from the evaluation that ran before the Ctrl-C)."""
+    import training
+
+    write_jsonl(workdir / "pairs8.jsonl", [{"prompt": p + "？" * k, "response": r} for k in range(2) for p, r in PAIRS])
+    common = ["--max_steps", 4, "--batch_size", 2, "--eval_every", 4, "--num_samples", 2]
+    straight, stopped = workdir / "straight-4", workdir / "stopped-4"
+    assert run_main(SFT, sft_args(workdir, straight, *common, pairs="pairs8.jsonl")) == 0
+    calls = []
+    real = training.StopSignal.requested
+    monkeypatch.setattr(training.StopSignal, "requested", lambda self, acc: calls.append(1) or len(calls) == 4)
+    assert run_main(SFT, sft_args(workdir, stopped, *common, pairs="pairs8.jsonl")) == 130
+    assert json.loads((stopped / "config.json").read_text())["step"] == 4 and (stopped / "state").is_dir()
+    monkeypatch.setattr(training.StopSignal, "requested", real)
+    assert run_main(SFT, sft_args(workdir, stopped, *common, "--resume", pairs="pairs8.jsonl")) == 0
+    assert (stopped / "samples.md").read_text(encoding="utf-8") == (straight / "samples.md").read_text(encoding="utf-8")
+    assert "| " in (stopped / "samples.md").read_text(encoding="utf-8")
+
+
+@pytest.mark.slow
 def test_missing_init_is_a_one_line_error(tmp_path):
     result = subprocess.run([sys.executable, str(REPO / "1-SFT.py"), "--init", str(tmp_path / "nothing"),
                              "--output_dir", str(tmp_path / "sft")], capture_output=True, text=True, cwd=REPO)
