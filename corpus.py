@@ -674,15 +674,15 @@ def tokenize_to_file(documents: TextDocuments, tokenizer, path: str, bos_id: int
     for described in glob.glob(os.path.join(glob.escape(os.path.dirname(path)), "*.json")):
         old = described[:-len(".json")] + ".bin"
         finished = re.fullmatch(r"[0-9a-f]{24}\.json", os.path.basename(described))  # not another run's .tmp
-        if finished and old != path and _read_json(described).get("lineage") == lineage:  # before an edit
+        if finished and old != path and read_json_or_empty(described).get("lineage") == lineage:  # before an edit
             for stale in (old, described):
                 if os.path.exists(stale):
                     os.remove(stale)
     return info
 
 
-def _read_json(path: str) -> dict:
-    """A small JSON file's object, or {} if it is unreadable (e.g. being replaced)."""
+def read_json_or_empty(path: str) -> dict:
+    """A small JSON file's object, or {} if it is missing or unreadable (e.g. being replaced)."""
     try:
         with open(path, encoding="utf-8") as f:
             value = json.load(f)

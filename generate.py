@@ -152,21 +152,13 @@ def load_policy(args):
     chat = stage in CHAT_STAGES and not args.raw
     log(f"loaded {path} (stage {stage}): {'chat template' if chat else 'plain continuation'}")
     if os.path.isdir(os.path.join(path, "state")):  # what Ctrl-C, --stop_after or --save_every leave mid-run
+        from corpus import read_json_or_empty
+
         saved = read_json_or_empty(os.path.join(path, "state", "trainer_state.json"))
         total = saved.get("settings", {}).get("max_steps")
         log(f"note: {path} is an unfinished run, stopped at step {config.get('step')}"
             f"{f' of {total}' if total else ''}; its stage script's --resume finishes it")
     return model, tokenizer, chat
-
-
-def read_json_or_empty(path: str) -> dict:
-    """The JSON object in ``path``, or {} if it is missing or unreadable (for notes that can do without it)."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            value = json.load(f)
-    except (OSError, ValueError):
-        return {}
-    return value if isinstance(value, dict) else {}
 
 
 def check_reward_dir(path: str) -> None:
