@@ -152,14 +152,75 @@ def make_optimizer_groups(model: nn.Module, weight_decay: float, muon: bool = Fa
     return [g for g in groups if g["params"]]
 
 
+# Keller Jordan's quintic Newton-Schulz coefficients (https://kellerjordan.github.io/posts/muon/), as in
+# torch.optim.Muon: chosen for the steepest slope at 0, so 5 steps bring every singular value near 1.
+NEWTON_SCHULZ_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
+
+
+def newton_schulz_dtype() -> torch.dtype:
+    """The precision of Muon's Newton-Schulz iteration: bf16 where it is computed natively (``native_bf16``), as
+    Keller Jordan's Muon and ``torch.optim.Muon`` run it; float32 elsewhere. On a CPU without AVX512-BF16 or AMX a
+    bf16 matrix product is emulated and about 35 times slower than float32 (bench/README.md: the demo's
+    pretraining step took 12 s instead of 1.2 s on such a CPU, 10.8 s of it in the iteration)."""
+    return torch.bfloat16 if native_bf16() else torch.float32
+
+
+def newton_schulz(grad, steps: int = 5, dtype: torch.dtype = torch.bfloat16, eps: float = 1e-7):
+    """The nearest semi-orthogonal matrix to ``grad`` (R, C), approximately: ``steps`` quintic Newton-Schulz
+    iterations X <- aX + (bXX^T + c(XX^T)^2)X on X = grad / ||grad||_F in ``dtype``, on the wide orientation (the
+    Gram matrix is min(R, C) square). The singular values come out between roughly 0.5 and 1.5, not exactly 1,
+    which Muon does not need. Returns (R, C) in ``dtype``. In bf16 it is the operations of ``torch.optim.Muon``'s
+    ``_zeropower_via_newtonschulz`` one for one (a test checks the two are bitwise equal)."""
+    a, b, c = NEWTON_SCHULZ_COEFFICIENTS
+    x = grad.to(dtype)
+    tall = grad.size(0) > grad.size(1)
+    if tall:
+        x = x.T
+    x = x / x.norm().clamp(min=eps)  # the spectral norm is at most the Frobenius norm: now <= 1
+    for _ in range(steps):
+        gram = x @ x.T  # (r, r), r = min(R, C)
+        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    return x.T if tall else x
+
+
+class Muon(torch.optim.Optimizer):
+    """Muon (Jordan et al. 2024, https://kellerjordan.github.io/posts/muon/) for 2-D weights: Nesterov momentum,
+    then the update replaced by its ``newton_schulz`` orthogonalisation, scaled by ``sqrt(max(1, rows / cols))``,
+    with decoupled weight decay. The same update as ``torch.optim.Muon(adjust_lr_fn="original")``, whose
+    iteration always runs in bf16; here ``ns_dtype`` chooses (default ``newton_schulz_dtype()``), so a CPU without
+    native bf16 is not ten times slower. The state is ``momentum_buffer`` per parameter, as torch's."""
+
+    def __init__(self, params, lr: float, momentum: float = 0.95, weight_decay: float = 0.1, ns_steps: int = 5,
+                 ns_dtype: torch.dtype | None = None):
+        super().__init__(params, {"lr": lr, "momentum": momentum, "weight_decay": weight_decay, "ns_steps": ns_steps})
+        self.ns_dtype = ns_dtype or newton_schulz_dtype()
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            lr, momentum = group["lr"], group["momentum"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                if p.grad.dim() != 2:
+                    raise ValueError(f"Muon updates 2-D weights only, got a gradient of shape {tuple(p.grad.shape)}")
+                state = self.state[p]
+                if "momentum_buffer" not in state:
+                    state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
+                buf = state["momentum_buffer"]
+                buf.lerp_(p.grad, 1 - momentum)  # buf = momentum * buf + (1 - momentum) * grad
+                update = newton_schulz(p.grad.lerp(buf, momentum), group["ns_steps"], self.ns_dtype)  # Nesterov
+                p.mul_(1 - lr * group["weight_decay"])
+                p.add_(update, alpha=-lr * math.sqrt(max(1, p.shape[0] / p.shape[1])))
+
+
 class MuonAdamW(torch.optim.Optimizer):
     """Muon for the groups marked ``"muon": True``, AdamW for the others, behind one optimizer (one ``step``,
     one ``state_dict``, so ``accelerator.prepare``, gradient accumulation and exact resume work unchanged).
 
-    Muon (Jordan et al. 2024, https://kellerjordan.github.io/posts/muon/; ``torch.optim.Muon``) replaces each
-    2-D weight's momentum-SGD update by its nearest semi-orthogonal matrix (5 Newton-Schulz iterations), scaled
-    by ``sqrt(max(1, rows / cols))``; nanochat and the modded-nanogpt speedrun train the hidden matrices with it
-    and the embeddings, head and gains with AdamW, as here. Both inner optimizers share this object's
+    ``Muon`` replaces each 2-D weight's momentum-SGD update by its nearest semi-orthogonal matrix (5
+    Newton-Schulz iterations), scaled by ``sqrt(max(1, rows / cols))``; nanochat and the modded-nanogpt speedrun
+    train the hidden matrices with it and the embeddings, head and gains with AdamW, as here. Both inner optimizers share this object's
     ``param_groups`` and ``state``, so ``set_lr`` and ``lr_scale`` apply to both.
     """
 
@@ -167,8 +228,7 @@ class MuonAdamW(torch.optim.Optimizer):
         adam_groups = [g for g in groups if not g.get("muon")]
         muon_groups = [g for g in groups if g.get("muon")]
         self._adamw = torch.optim.AdamW(adam_groups, lr=lr, betas=betas, eps=1e-8, fused=True)
-        self._muon = (torch.optim.Muon(muon_groups, lr=lr, momentum=muon_momentum, adjust_lr_fn="original")
-                      if muon_groups else None)
+        self._muon = Muon(muon_groups, lr=lr, momentum=muon_momentum) if muon_groups else None
         self._num_adam_groups = len(adam_groups)
         super().__init__(self._adamw.param_groups + (self._muon.param_groups if self._muon else []), {})
         self._share()

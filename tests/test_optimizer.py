@@ -115,3 +115,45 @@ def test_pretrain_stage_with_muon_resumes_bit_identically(tmp_path, tiny_corpus)
     assert result.returncode == 0, result.stderr[-1500:]
     a, b = load_file(straight / "model.safetensors"), load_file(resumed / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_newton_schulz_in_bf16_is_torchs_iteration_bitwise():
+    """Our iteration in bf16 is torch.optim.Muon's, operation for operation, on wide and tall matrices; in float32
+    it is close to it and its singular values are near 1 (the point of the iteration)."""
+    from torch.optim._muon import _zeropower_via_newtonschulz
+
+    from training import NEWTON_SCHULZ_COEFFICIENTS, newton_schulz
+
+    torch.manual_seed(0)
+    for shape in ((8, 24), (24, 8), (16, 16)):
+        g = torch.randn(shape)
+        ours = newton_schulz(g, 5, torch.bfloat16)
+        assert torch.equal(ours, _zeropower_via_newtonschulz(g, NEWTON_SCHULZ_COEFFICIENTS, 5, 1e-7))
+        fp32 = newton_schulz(g, 5, torch.float32)
+        assert fp32.dtype == torch.float32 and (fp32 - ours.float()).abs().max() < 0.05
+        singular = torch.linalg.svdvals(fp32)
+        assert singular.min() > 0.4 and singular.max() < 1.5  # roughly 0.5-1.5 (Jordan)
+
+
+def test_muon_step_matches_torch_muon_in_bf16_and_picks_fp32_without_native_bf16(monkeypatch):
+    """Three steps of our Muon with a bf16 iteration leave the weights and momentum of torch.optim.Muon
+    (adjust_lr_fn="original") bit for bit; the default precision follows native_bf16()."""
+    import training
+
+    def run(make):
+        torch.manual_seed(1)
+        w = torch.nn.Parameter(torch.randn(12, 20))
+        opt = make([w])
+        for s in range(3):
+            torch.manual_seed(10 + s)
+            w.grad = torch.randn(12, 20)
+            opt.step()
+        return w.detach(), opt.state[w]["momentum_buffer"]
+
+    ours = run(lambda p: training.Muon(p, lr=0.02, weight_decay=0.1, ns_dtype=torch.bfloat16))
+    theirs = run(lambda p: torch.optim.Muon(p, lr=0.02, weight_decay=0.1, momentum=0.95, adjust_lr_fn="original"))
+    assert torch.equal(ours[0], theirs[0]) and torch.equal(ours[1], theirs[1])
+    monkeypatch.setattr(training, "native_bf16", lambda: False)
+    assert training.Muon([torch.nn.Parameter(torch.ones(2, 2))], lr=0.1).ns_dtype == torch.float32
+    monkeypatch.setattr(training, "native_bf16", lambda: True)
+    assert training.Muon([torch.nn.Parameter(torch.ones(2, 2))], lr=0.1).ns_dtype == torch.bfloat16
