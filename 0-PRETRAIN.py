@@ -16,13 +16,15 @@ import os
 
 import torch
 
-from checkpoint import check_output_dir, check_vocab, load_backbone
 from chinese_tokenizer import load_tokenizer, text_to_token_ids, token_ids_to_text
-from cli import UserError, default_path, fill_defaults, run, stage_parser
-from corpus import PackedBlocks, load_text_documents
 from gpt_model import GPTModel, generate, get_preset
-from training import (BatchSchedule, StageRun, evaluate_lm, make_accelerator, make_optimizer,
-                      spread_subset)
+from plumbing.batching import BatchSchedule, spread_subset
+from plumbing.checkpoint import check_output_dir, check_vocab, load_backbone
+from plumbing.cli import UserError, default_path, fill_defaults, run, stage_parser
+from plumbing.documents import load_text_documents
+from plumbing.optimizers import make_optimizer
+from plumbing.token_cache import PackedBlocks
+from plumbing.training import StageRun, evaluate_lm, make_accelerator
 
 # Run length and optimisation per preset; every value can be overridden on the command line.
 DEFAULTS = {
@@ -69,7 +71,7 @@ def parse_args(argv=None):
 def build_model(args, tokenizer):
     """A new model of the preset, or the weights of --init / --init_from_hf; returns (model, parent metadata)."""
     if args.init_from_hf:
-        from load_weight import load_hf_gpt2
+        from plumbing.hf_weights import load_hf_gpt2
 
         model, parent = load_hf_gpt2(args.init_from_hf), {"parent": os.path.abspath(args.init_from_hf)}
     elif args.init:

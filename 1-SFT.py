@@ -26,13 +26,15 @@ import os
 
 import torch
 
-from checkpoint import check_output_dir, load_backbone
 from chinese_tokenizer import EOS_ID, chat_messages_ids, decode, load_tokenizer, until_eos
-from cli import UserError, default_path, fill_defaults, positive_int, run, stage_parser
-from corpus import ChatPairs, length_grouped_batches, read_chat_pairs
 from gpt_model import generate
-from training import (BatchSchedule, StageRun, evaluate_lm, make_accelerator, make_optimizer, markdown_table,
-                      spread_subset)
+from plumbing.batching import BatchSchedule, ChatPairs, length_grouped_batches, spread_subset
+from plumbing.checkpoint import check_output_dir, load_backbone
+from plumbing.cli import UserError, default_path, fill_defaults, positive_int, run, stage_parser
+from plumbing.optimizers import make_optimizer
+from plumbing.records import read_chat_pairs
+from plumbing.report import markdown_table
+from plumbing.training import StageRun, evaluate_lm, make_accelerator
 
 # Run length and optimisation per preset; every value can be overridden on the command line. The demo run sees
 # 300 x 16 = 4800 pairs (about 200k tokens, a third of the training set) and fits in three minutes on 2 CPU cores;

@@ -22,14 +22,17 @@ import sys
 import time
 
 import torch
+import torch.nn.functional as F
 
-from checkpoint import check_output_dir, load_backbone, load_checkpoint
 from chinese_tokenizer import apply_chat_template, load_tokenizer
-from cli import UserError, default_path, fill_defaults, positive_float, positive_int, run, stage_parser
-from corpus import expand_files, length_grouped_batches, non_blank_lines, pad_right, read_jsonl, read_preference_pairs
 from gpt_model import RewardModel
-from reward import pair_metrics, pairwise_loss, pointwise_loss, score_texts
-from training import BatchSchedule, StageRun, make_accelerator, make_optimizer, spread_subset
+from plumbing.batching import BatchSchedule, length_grouped_batches, pad_right, spread_subset
+from plumbing.checkpoint import check_output_dir, load_backbone, load_checkpoint
+from plumbing.cli import UserError, default_path, fill_defaults, positive_float, positive_int, run, stage_parser
+from plumbing.optimizers import make_optimizer
+from plumbing.records import expand_files, non_blank_lines, read_jsonl, read_preference_pairs
+from plumbing.reward import pairs_ranked_right, score_texts
+from plumbing.training import StageRun, make_accelerator
 
 # Run length and optimisation per preset; every value can be overridden on the command line. The model's shape
 # comes from --init, so the preset only sets how long and how fast to train. With its prompt a review is at most
@@ -87,6 +90,36 @@ def parse_args(argv=None):
     if args.text or args.texts_file:
         raise UserError("--text/--texts_file are for scoring; add --score (and --checkpoint) to score them")
     return fill_defaults(args, DEFAULTS[args.preset])
+
+
+# --- the objectives: pairwise (Bradley–Terry) and pointwise ----------------------------------------------------
+
+def pairwise_loss(r_chosen, r_rejected):
+    """Mean of ``-log sigmoid(r_chosen - r_rejected)`` over (N,) rewards, in float32.
+
+    It is the negative log-likelihood of the preference under the Bradley–Terry model
+    ``P(chosen beats rejected) = sigmoid(r_chosen - r_rejected)``: log 2 = 0.693 when the two score the same,
+    towards 0 as the margin grows. ``logsigmoid`` stays finite for large negative margins.
+    """
+    return -F.logsigmoid((r_chosen - r_rejected).float()).mean()
+
+
+def pointwise_loss(rewards, labels):
+    """Binary cross-entropy of (N,) rewards used as logits against (N,) labels 1 (good) / 0 (bad), in float32."""
+    return F.binary_cross_entropy_with_logits(rewards.float(), labels.float())
+
+
+def pair_metrics(r_chosen, r_rejected) -> dict:
+    """``{"loss", "accuracy", "margin"}`` over (N,) rewards of N pairs.
+
+    accuracy: the share of pairs with ``r_chosen > r_rejected``, a tie counting half (``reward.pairs_ranked_right``,
+    the rule of every pair accuracy in the project); margin: the mean of ``r_chosen - r_rejected``; loss:
+    ``pairwise_loss``.
+    """
+    r_chosen, r_rejected = torch.as_tensor(r_chosen).float(), torch.as_tensor(r_rejected).float()
+    diff = r_chosen - r_rejected  # (N,)
+    return {"loss": pairwise_loss(r_chosen, r_rejected).item(),
+            "accuracy": (pairs_ranked_right(r_chosen, r_rejected) / len(diff)).item(), "margin": diff.mean().item()}
 
 
 # --- data ----------------------------------------------------------------------------------------------------------
@@ -255,7 +288,7 @@ def main(argv=None):
                 if args.objective == "pairwise":
                     r_chosen, r_rejected = rewards.chunk(2)  # (b,), (b,): the collate put chosen rows first
                     loss = pairwise_loss(r_chosen, r_rejected)
-                    correct = (r_chosen > r_rejected).float().mean()
+                    correct = pairs_ranked_right(r_chosen, r_rejected) / len(r_chosen)
                 else:
                     loss = pointwise_loss(rewards, batch["labels"])
                     correct = ((rewards > 0).float() == batch["labels"]).float().mean()

@@ -22,14 +22,26 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from alignment import (add_held_out_arguments, as_val_row, describe, from_val_row, held_out_monitors,
-                       load_policy_and_reward, read_val_prompts, record_held_out, sequence_logprobs)
-from checkpoint import check_output_dir
 from chinese_tokenizer import apply_chat_template, load_tokenizer
-from cli import UserError, default_path, fill_defaults, positive_float, positive_int, run, stage_parser
-from corpus import chat_example, collate_chat, length_grouped_batches, read_preference_pairs
-from judge import SentimentJudge
-from training import BatchSchedule, StageRun, make_accelerator, make_optimizer, spread_subset
+from plumbing.alignment import (
+    add_held_out_arguments,
+    as_val_row,
+    describe,
+    from_val_row,
+    held_out_monitors,
+    load_policy_and_reward,
+    read_val_prompts,
+    record_held_out,
+    sequence_logprobs,
+)
+from plumbing.batching import BatchSchedule, chat_example, collate_chat, length_grouped_batches, spread_subset
+from plumbing.checkpoint import check_output_dir
+from plumbing.cli import UserError, default_path, fill_defaults, positive_float, positive_int, run, stage_parser
+from plumbing.judge import SentimentJudge
+from plumbing.optimizers import make_optimizer
+from plumbing.records import read_preference_pairs
+from plumbing.reward import pairs_ranked_right
+from plumbing.training import StageRun, make_accelerator
 
 # Run length and optimisation per preset; every value can be overridden on the command line. The model comes from
 # --policy, so the preset only sets how long and how fast to train, and beta. demo: 60 steps at beta 1
@@ -99,12 +111,6 @@ def dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta: flo
     return losses.mean(), chosen_rewards, rejected_rewards
 
 
-def pairs_right(chosen_rewards, rejected_rewards):
-    """How many of the (b,) pairs rank the chosen answer higher, a tie counting half (a 0-d tensor). At step 0 the
-    policy is its own reference, every implicit reward is exactly 0, and the accuracy reads 50%, chance, not 0%."""
-    return (chosen_rewards > rejected_rewards).sum() + 0.5 * (chosen_rewards == rejected_rewards).sum()
-
-
 def encode_pairs(pairs, tokenizer, max_length: int) -> list[tuple]:
     """Each (prompt, chosen, rejected) through the chat template: ((inputs, labels) chosen, (inputs, labels)
     rejected), response-only labels (see ``corpus.chat_example``); the count of pairs that were cut comes second."""
@@ -140,7 +146,7 @@ def evaluate(policy, ref, items, args, accelerator) -> dict:
         with accelerator.autocast():
             loss, chosen, rejected = dpo_loss(*pair_logprobs(policy, batch), *pair_logprobs(ref, batch), args.beta,
                                               args.loss)
-        totals += torch.stack([loss * len(chosen), pairs_right(chosen, rejected), (chosen - rejected).sum(),
+        totals += torch.stack([loss * len(chosen), pairs_ranked_right(chosen, rejected), (chosen - rejected).sum(),
                                torch.tensor(len(chosen), device=chosen.device)]).to(totals)
     if accelerator.num_processes > 1:
         totals = accelerator.reduce(totals, reduction="sum")
@@ -213,7 +219,7 @@ def main(argv=None):
                                                   args.beta, args.loss)
                 stage.backward(loss)
             step_loss += loss.item() / args.gradient_accumulation_steps
-            step_accuracy += pairs_right(chosen, rejected).item() / len(chosen) / args.gradient_accumulation_steps
+            step_accuracy += pairs_ranked_right(chosen, rejected).item() / len(chosen) / args.gradient_accumulation_steps
             tokens += int(batch["attention_mask"].sum())
         row = {"train_loss": stage.end_step(step_loss, tokens), "train_accuracy": step_accuracy}
         if stage.eval_due:

@@ -17,19 +17,40 @@ judge, KL, length, [SEP] share, repetition; ``judge.py``) and the reward-hacking
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from alignment import (ROLLOUT_MONITORS, add_held_out_arguments, as_val_row, describe, from_val_row,
-                       held_out_monitors, load_policy_and_reward, masked_mean, monitors_of, penalise_unfinished,
-                       read_prompts, record_held_out, rollout, token_logprobs)
-from checkpoint import check_output_dir, parent_meta
 from chinese_tokenizer import load_tokenizer
-from cli import UserError, default_path, fill_defaults, non_negative_float, positive_float, positive_int, run, \
-    stage_parser
-from judge import SentimentJudge
-from training import BatchSchedule, StageRun, make_accelerator, make_optimizer
+from plumbing.alignment import (
+    ROLLOUT_MONITORS,
+    add_held_out_arguments,
+    as_val_row,
+    describe,
+    from_val_row,
+    held_out_monitors,
+    load_policy_and_reward,
+    masked_mean,
+    monitors_of,
+    penalise_unfinished,
+    read_prompts,
+    record_held_out,
+    rollout,
+    token_logprobs,
+)
+from plumbing.batching import BatchSchedule
+from plumbing.checkpoint import check_output_dir, parent_meta
+from plumbing.cli import (
+    UserError,
+    default_path,
+    fill_defaults,
+    non_negative_float,
+    positive_float,
+    positive_int,
+    run,
+    stage_parser,
+)
+from plumbing.judge import SentimentJudge
+from plumbing.optimizers import make_optimizer
+from plumbing.training import StageRun, make_accelerator
 
 # max_steps = iterations; rollout_size = prompts per iteration (each answered group_size times); batch_size =
 # sequences per update micro-batch; eval_samples = samples per held-out prompt for the monitors

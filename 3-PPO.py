@@ -36,17 +36,40 @@ import torch
 import torch.nn as nn
 from safetensors.torch import load_model, save_model
 
-from alignment import (KL_LIMIT, ROLLOUT_MONITORS, add_held_out_arguments, as_val_row, describe, from_val_row,
-                       held_out_monitors, load_policy_and_reward, masked_mean, monitors_of, penalise_unfinished,
-                       read_prompts, record_held_out, rollout, token_logprobs)
-from checkpoint import check_output_dir, parent_meta
 from chinese_tokenizer import load_tokenizer
-from cli import default_path, fill_defaults, non_negative_float, positive_float, positive_int, run, stage_parser, \
-    unit_interval
 from gpt_model import RewardModel, last_real_index
-from judge import SentimentJudge
-from training import (BatchSchedule, StageRun, make_accelerator, make_optimizer,
-                      mean_over_processes)
+from plumbing.alignment import (
+    KL_LIMIT,
+    ROLLOUT_MONITORS,
+    add_held_out_arguments,
+    as_val_row,
+    describe,
+    from_val_row,
+    held_out_monitors,
+    load_policy_and_reward,
+    masked_mean,
+    monitors_of,
+    penalise_unfinished,
+    read_prompts,
+    record_held_out,
+    rollout,
+    token_logprobs,
+)
+from plumbing.batching import BatchSchedule
+from plumbing.checkpoint import check_output_dir, parent_meta
+from plumbing.cli import (
+    default_path,
+    fill_defaults,
+    non_negative_float,
+    positive_float,
+    positive_int,
+    run,
+    stage_parser,
+    unit_interval,
+)
+from plumbing.judge import SentimentJudge
+from plumbing.optimizers import make_optimizer
+from plumbing.training import StageRun, make_accelerator, mean_over_processes
 
 DEFAULT_TARGET_KL = KL_LIMIT  # nats per response: the KL controller's target, and the flag's budget when beta is fixed
 # max_steps = PPO iterations; batch_size = sequences per update micro-batch; rollout_size = prompts per iteration;

@@ -29,8 +29,6 @@ import torch
 from tokenizers import AddedToken, decoders
 from transformers import BertTokenizerFast
 
-from cli import UserError
-
 VOCAB_SIZE = 21128
 PAD_ID, UNK_ID, CLS_ID, SEP_ID, MASK_ID = 0, 100, 101, 102, 103
 EOS_ID = SEP_ID
@@ -43,9 +41,10 @@ ANSWER_SLOT, ANSWER_TOKEN = "[unused5]", "[ANS]"
 ANSWER_ID = 5
 
 
-class TokenizerError(UserError):
-    """The tokenizer files are missing or are not the 21128-id BERT-Chinese vocabulary (a user error: the message
-    says which files and what to run)."""
+class TokenizerError(ValueError):
+    """The tokenizer files are missing or are not the 21128-id BERT-Chinese vocabulary. A user error: the message
+    says which files and what to run, and ``plumbing.cli.run`` prints it as one line like any ``UserError`` (this
+    module imports nothing of ours, so it cannot subclass that)."""
 
 
 def build_tokenizer(vocab_file: str) -> BertTokenizerFast:

@@ -47,28 +47,33 @@ import sys
 
 import torch
 
-from checkpoint import CHAT_STAGES, check_vocab, load_checkpoint, read_config
-from chinese_tokenizer import EOS_ID, IncrementalDecoder, chat_messages_ids, decode, encode, until_eos
-from cli import ArgumentParser, UserError, default_path, non_negative_float, non_negative_int, positive_float, \
-    positive_int, probability, run
+from chinese_tokenizer import EOS_ID, IncrementalDecoder, decode, until_eos
 from gpt_model import generate
-from reward import score_texts
+from plumbing.cli import (
+    ArgumentParser,
+    UserError,
+    non_negative_float,
+    non_negative_int,
+    positive_float,
+    positive_int,
+    probability,
+    run,
+)
+from plumbing.devices import pick_device
+from plumbing.inference import (
+    DTYPES,
+    add_dtype_argument,
+    add_model_arguments,
+    check_reward_dir,
+    load_policy,
+    load_reward,
+    log,
+    prompt_to_ids,
+    weight_dtype,
+)
+from plumbing.reward import score_texts
 
-# Where the stages write their checkpoints, furthest stage first: the default --checkpoint is the first that exists.
-STAGE_DIRS = [default_path("checkpoints", stage) for stage in ("ppo", "sft", "pretrain")]
 EXIT_WORDS = ("exit", "quit")
-
-
-def add_model_arguments(p) -> None:
-    """Where the model comes from (``--checkpoint`` or ``--from_hf``, and ``--tokenizer``): generate.py's and
-    serve.py's, read by ``load_policy``."""
-    source = p.add_mutually_exclusive_group()
-    source.add_argument("--checkpoint", help="stage checkpoint directory (default: the first that exists of "
-                                             "checkpoints/ppo, checkpoints/sft, checkpoints/pretrain)")
-    source.add_argument("--from_hf", help="a local Hugging Face GPT-2 directory, loaded through load_weight.py "
-                                          "(plain continuation)")
-    p.add_argument("--tokenizer", help="tokenizer directory for --from_hf (default: the directory's own vocab.txt "
-                                       "if it is the BERT-Chinese one, else data/tokenizer); checkpoints carry theirs")
 
 
 def parse_args(argv=None):
@@ -108,100 +113,10 @@ def parse_args(argv=None):
     return args
 
 
-def log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
-
-
 # --- loading ---------------------------------------------------------------------------------------------------
-
-def find_latest_checkpoint() -> str:
-    """The first of checkpoints/ppo, sft, pretrain that holds a checkpoint. Raises ``UserError`` if none does."""
-    for path in STAGE_DIRS:
-        if os.path.isfile(os.path.join(path, "config.json")):
-            return path
-    raise UserError(f"no checkpoint in {', '.join(STAGE_DIRS)}; run 0-PRETRAIN.py first or pass --checkpoint DIR")
-
-
-def load_policy(args):
-    """The model to generate with: ``(model, tokenizer, chat)``, where ``chat`` says whether to use the template."""
-    if args.from_hf:
-        from load_weight import import_tokenizer, load_hf_gpt2  # only needed on this path
-
-        if not os.path.isdir(args.from_hf):
-            raise UserError(f"--from_hf {args.from_hf} is not a directory; give a local Hugging Face GPT-2 folder")
-        model = load_hf_gpt2(args.from_hf)
-        tokenizer = import_tokenizer(args.from_hf, args.tokenizer)
-        check_vocab(tokenizer, model.cfg.vocab_size, f"--from_hf {args.from_hf}", "use Chinese GPT-2 weights with "
-                    "the BERT-Chinese vocabulary (e.g. uer/gpt2-chinese-cluecorpussmall)")
-        log(f"loaded Hugging Face weights from {args.from_hf}: plain continuation")
-        return model, tokenizer, False
-
-    path = args.checkpoint
-    if path is None:
-        path = find_latest_checkpoint()
-        log(f"using {path} (the furthest stage found; pass --checkpoint to choose another)")
-    elif not os.path.isdir(path):
-        what = f"is a file, not a checkpoint folder; give its folder {os.path.dirname(path) or '.'}" \
-            if os.path.isfile(path) else "does not exist; give a directory written by a stage script"
-        raise UserError(f"--checkpoint {path} {what}")
-    if read_config(path).get("model_type") == "reward":
-        raise UserError(f"--checkpoint {path} is a reward model; generate from a pretrain/SFT/PPO/DPO/GRPO checkpoint "
-                        f"and pass this one as --reward")
-    model, tokenizer, config = load_checkpoint(path, "gpt", flag="--checkpoint")
-    stage = config.get("stage", "unknown")
-    chat = stage in CHAT_STAGES and not args.raw
-    log(f"loaded {path} (stage {stage}): {'chat template' if chat else 'plain continuation'}")
-    if os.path.isdir(os.path.join(path, "state")):  # what Ctrl-C, --stop_after or --save_every leave mid-run
-        from corpus import read_json_or_empty
-
-        saved = read_json_or_empty(os.path.join(path, "state", "trainer_state.json"))
-        total = saved.get("settings", {}).get("max_steps")
-        log(f"note: {path} is an unfinished run, stopped at step {config.get('step')}"
-            f"{f' of {total}' if total else ''}; its stage script's --resume finishes it")
-    return model, tokenizer, chat
-
-
-def check_reward_dir(path: str) -> None:
-    """Fail before any loading if ``--reward`` is not a reward model checkpoint."""
-    if not os.path.isdir(path):
-        raise UserError(f"--reward {path} does not exist; give a directory written by 2-RM.py")
-    model_type = read_config(path).get("model_type", "gpt")
-    if model_type != "reward":
-        raise UserError(f"--reward {path} is a language model, but a reward model is needed; "
-                        f"pass a checkpoint written by 2-RM.py")
-
-
-def load_reward(path: str, vocab_size: int):
-    model, _, _ = load_checkpoint(path, "reward", expect_vocab_size=vocab_size, flag="--reward")
-    return model
 
 
 # --- one prompt ------------------------------------------------------------------------------------------------
-
-def prompt_to_ids(prompt, tokenizer, chat: bool, context_length: int,
-                  bos_id: int | None = None, system: str | None = None) -> list[int]:
-    """The model input for ``prompt``: its ids, or ``[CLS] ids [ANS]`` (``[CLS] system [SEP] ids [ANS]`` with a
-    ``system`` text), cut from the left to fit the context. A chat ``prompt`` may also be a conversation, a tuple
-    of ``(role, content)`` turns ending with a user turn (``read_prompts``).
-    A plain continuation starts with ``bos_id`` when the model's documents did in training (``cfg.bos_id``: [CLS]
-    for uer's weights); the token stays when the prompt is cut."""
-    if not chat:
-        start = [] if bos_id is None else [bos_id]
-        ids = encode(prompt, tokenizer)
-        room = context_length - len(start)
-        if len(ids) > room:
-            log(f"note: the prompt is {len(ids)} tokens, longer than the {room} that fit in the model's context of "
-                f"{context_length}; keeping its last {room}")
-            ids = ids[-room:]
-        return start + ids
-    turns = [("user", prompt)] if isinstance(prompt, str) else list(prompt)  # a conversation from a prompts file
-    messages = ([("system", system)] if system and turns[0][0] != "system" else []) + turns
-    ids = chat_messages_ids(messages, tokenizer, context_length)  # [CLS] prompt [ANS], cut from its left to fit
-    if len(ids) < len(chat_messages_ids(messages, tokenizer)):
-        log(f"note: the prompt{' and system text' if system else ''} are longer than the {context_length} tokens "
-            f"of the model's context with the chat template; keeping {'the prompt, ' if system else ''}its last "
-            f"{len(ids) - 2} tokens")
-    return ids
 
 
 def check_prompt(prompt: str, where: str) -> str:
@@ -281,7 +196,7 @@ def write_monitors(path: str, samples: list[list[dict]], n: int) -> dict:
     """``--monitors``: for k = 1, 2, 4, ... and n, ``judge.summarize`` of the best of each prompt's first k samples
     (``samples``: one list of n sample dicts per prompt, from ``answer``), plus ``best_of_n`` (k) and ``kl_bound``
     (best-of-k's KL to the sampling model, nats per response). Returns and writes ``{str(k): monitors}``."""
-    from judge import SentimentJudge, best_of_n_kl, summarize
+    from plumbing.judge import SentimentJudge, best_of_n_kl, summarize
 
     judge, result = SentimentJudge(), {}
     for k in sorted({2 ** i for i in range(n.bit_length()) if 2 ** i <= n} | {n}):
@@ -300,7 +215,7 @@ def read_prompts(path: str) -> list:
     """Prompts from a text file (one per line; blank lines skipped) or from .jsonl / .json / .parquet records read
     as the alignment stages read theirs (``corpus.prompt_of``: {"prompt"}, alpaca or "messages" records; a
     conversation comes back as a tuple of turns)."""
-    from corpus import read_prompt_files, read_prompt_lines
+    from plumbing.records import read_prompt_files, read_prompt_lines
 
     if path.endswith((".jsonl", ".json", ".parquet")):
         return read_prompt_files(path, "--prompts_file")
@@ -334,36 +249,6 @@ def interactive(model, tokenizer, chat: bool, args, reward_model=None) -> None:
         if not prompt.strip():
             continue
         print_answer(prompt, model, tokenizer, chat, args, reward_model)
-
-
-# The weights' precision while generating. fp32 is the default because it was the faster one where it was
-# measured: on the CPU bf16 weights halve the bytes a decode step reads, but torch's bf16 matrix-vector products
-# are slower than its fp32 ones there (bench/bench_decode.py, bench/README.md); no GPU has been measured yet.
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-def add_dtype_argument(p) -> None:
-    p.add_argument("--dtype", choices=list(DTYPES), default="fp32",
-                   help="precision of the weights while generating (bf16 halves the memory; on the CPU it was "
-                        "slower, see bench/README.md)")
-
-
-def weight_dtype(model) -> str:
-    """The dtype the model's weights really have, for the log ("float32", "bfloat16")."""
-    return str(next(model.parameters()).dtype).removeprefix("torch.")
-
-
-def pick_device(name: str | None) -> torch.device:
-    """``--device``, or cuda when there is a GPU, else cpu."""
-    if name is None:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except RuntimeError as e:
-        raise UserError(f"--device {name!r} is not a torch device; use cpu, cuda or cuda:N") from e
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise UserError(f"--device {name}: no CUDA GPU is available here; use --device cpu or leave it out")
-    return device
 
 
 def main(argv=None):

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import ctypes
 import gc
-import json
-import math
 import os
 import shlex
 import shutil
@@ -26,14 +24,13 @@ import subprocess
 import sys
 import time
 
-import cli
-import generate
-from checkpoint import file_sha256
 from chinese_tokenizer import load_tokenizer
-from cli import ArgumentParser, UserError, default_path, run
 from gpt_model import PRESETS
-from judge import distinct_n, longest_repeat, reward_hacking_flag
-from training import resume_command
+from plumbing import cli
+from plumbing.checkpoint import file_sha256
+from plumbing.cli import USER_ERRORS, ArgumentParser, UserError, default_path, run
+from plumbing.report import ANSWERING, BEST_OF, REPORT_DECODING, REPORT_PROMPTS, read_json, read_rows, write_report
+from plumbing.training import resume_command
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 CHECKPOINTS = {"pretrain": "checkpoints/pretrain", "sft": "checkpoints/sft", "rm": "checkpoints/rm",
@@ -41,16 +38,6 @@ CHECKPOINTS = {"pretrain": "checkpoints/pretrain", "sft": "checkpoints/sft", "rm
 STAGES = [("pretrain", "0-PRETRAIN.py"), ("sft", "1-SFT.py"), ("rm", "2-RM.py"), ("ppo", "3-PPO.py"),
           ("dpo", "3-DPO.py"), ("grpo", "3-GRPO.py")]
 PARENTS = {"sft": "pretrain", "rm": "sft", "ppo": "sft", "dpo": "sft", "grpo": "sft"}  # whose weights each starts from
-ALIGNED = ("ppo", "dpo", "grpo")  # the three alignment stages, each from the SFT model, measured alike
-ANSWERING = ("pretrain", "sft") + ALIGNED  # the models that answer the report's prompts
-# prompts answered by every model in the report: two review-writing tasks, a 歇后语, a definition, free text
-REPORT_PROMPTS = ["写一条好评：", "写一条以“房间”开头的好评。", "歇后语：外甥打灯笼", "请解释一下“明月”这个词。",
-                  "今天天气很好，"]
-BEST_OF = (4, 16)  # best-of-n from the SFT model, from one run of 16 samples: the no-training baselines
-# How the report's answers are decoded. Greedy decoding makes any small model loop ("国国国…"), so the answers are
-# sampled: temperature 0.7 with nucleus (top-p 0.9, Holtzman et al. 2020) and CTRL's repetition penalty (Keskar et
-# al. 2019) at a mild 1.1, one sample per prompt with generate.py's fixed --seed, so a rerun gives the same answers.
-REPORT_DECODING = {"temperature": 0.7, "top_k": 0, "top_p": 0.9, "repetition_penalty": 1.1}
 
 
 def parse_args(argv=None):
@@ -128,7 +115,7 @@ def in_process(main, argv: list[str], script: str | None = None) -> int:
         if script is not None:
             sys.argv = [script, *argv]
         return main(argv) or 0
-    except UserError as e:
+    except USER_ERRORS as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
     except SystemExit as e:
@@ -151,26 +138,6 @@ def return_free_memory() -> None:
         ctypes.CDLL(None).malloc_trim(0)
     except (OSError, AttributeError):  # not glibc (macOS, musl): its allocator returns memory its own way
         pass
-
-
-def read_json(path):
-    with open(path, encoding="utf-8") as f:
-        return json.load(f)
-
-
-def read_rows(path):
-    if not os.path.isfile(path):
-        return []
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
-def tokens_per_second(rows) -> float | None:
-    """Training tokens per second from the last metrics row that records both counters."""
-    for row in reversed(rows):
-        if row.get("tokens_seen") and row.get("time_s"):
-            return row["tokens_seen"] / row["time_s"]
-    return None
 
 
 def kept_from_earlier_run(stage: str, script: str, preset: str) -> bool:
@@ -285,7 +252,7 @@ def main(argv=None):
             "--reward", CHECKPOINTS["rm"], "--num_samples", "1", "--max_new_tokens", "48",
             *[str(a) for key, value in REPORT_DECODING.items() for a in (f"--{key}", value)],
             "--overwrite"],  # the answers belong to this run's models: replace an earlier run's
-            started, generate.main)
+            started, load_stage("generate.py").main)
         answers[stage] = read_rows(out)
     times["generate"] = time.time() - t0
     t0 = time.time()
@@ -293,7 +260,8 @@ def main(argv=None):
     times["best_of_n"] = time.time() - t0
 
     print(f"\n=== [{total}/{total}] report card ===", flush=True)
-    report = write_report(args, times, answers, best_of_n, baselines, kept)
+    report = write_report(args.report_dir, {stage: os.path.join(ROOT, d) for stage, d in CHECKPOINTS.items()},
+                          args.preset, args.launch, times, answers, best_of_n, baselines, kept)
     print(report)
     print(f"\nwritten to {os.path.join(args.report_dir, 'report.md')} (total {(time.time() - started) / 60:.1f} min)")
     return 0
@@ -302,8 +270,8 @@ def main(argv=None):
 def compute_baselines(args) -> dict:
     """The counting baselines on the demo stages' own splits (``baselines.counting_baselines``), in seconds: what
     the learned figures must beat. Uses the stages' block lengths and --eval_examples for the preset."""
-    from baselines import counting_baselines
     from gpt_model import get_preset
+    from plumbing.baselines import counting_baselines
 
     t0 = time.time()
     files = {stage: ([default_path("data", stage, "train.jsonl")], [default_path("data", stage, held_out)])
@@ -319,8 +287,8 @@ def compute_baselines(args) -> dict:
 
 
 def load_stage(script: str):
-    """A stage script as a module, loaded once (the scripts' names start with a digit, so they are loaded by
-    path): its ``DEFAULTS`` and its ``main``."""
+    """A script the pipeline runs (a stage, or generate.py) as a module, loaded once by its path (the stages'
+    names start with a digit; and a command is run, never imported by another): its ``DEFAULTS`` and ``main``."""
     import importlib.util
 
     name = script.replace("-", "_")[:-3]
@@ -356,167 +324,8 @@ def run_best_of_n(args, py, total, started) -> dict | None:
         "--output", os.path.join(args.report_dir, f"answers-best-of-{n}.jsonl"), "--reward", CHECKPOINTS["rm"],
         "--num_samples", str(n), "--temperature", str(settings["temperature"]), "--top_k", "0",
         "--max_new_tokens", str(settings["max_new_tokens"]), "--monitors", monitors, "--overwrite"], started,
-        generate.main)
+        load_stage("generate.py").main)
     return read_json(monitors)
-
-
-def held_out_section(metrics: dict, best_of_n: dict | None = None, times: dict | None = None) -> list[str]:
-    """Markdown lines: SFT, best-of-n, PPO, DPO and GRPO on the held-out prompts (each alignment stage's final
-    monitors in ``metrics[stage]``, best-of-n from ``generate.py --monitors``), each stage's wall time from
-    ``times``, then the reward-hacking flags. Nothing if no stage recorded held-out monitors."""
-    aligned = [stage for stage in ALIGNED if metrics.get(stage, {}).get("held_out")]
-    if not aligned:
-        return []
-    times = times or {}
-    settings = metrics.get("ppo", {}).get("held_out_settings", {})
-    sft = metrics[aligned[0]]["held_out"]["sft"]
-    rows = [("SFT", sft, f"{sft['kl']:.2f}", "—")]
-    best_of_n = best_of_n or {}
-    first = best_of_n.get("1")  # best-of-n's own starting point: the first of the same samples, no RM
-    for n in [1] * (first is not None) + list(BEST_OF if best_of_n else ()):
-        m = best_of_n[str(n)]
-        rows.append((f"best-of-{n} (SFT + RM)" if n > 1 else "best-of-1 (SFT, its first sample)", m,
-                     f"≤ {m['kl_bound']:.2f}",
-                     f"{times['best_of_n']:.0f} s (one run of {max(BEST_OF)})" if "best_of_n" in times else "—"))
-    for stage in aligned:
-        m = metrics[stage]["held_out"][stage]
-        rows.append((stage.upper(), m, f"{m['kl']:.2f} ± {m['kl_se']:.2f}",
-                     f"{times[stage]:.0f} s" if stage in times else "—"))
-    lines = ["## Four ways to align the SFT model (best-of-n, PPO, DPO, GRPO), on held-out prompts", "",
-             f"{len(settings.get('prompts', []))} prompts × {settings.get('samples_per_prompt', '?')} samples at "
-             f"temperature {settings.get('temperature', '?')}, up to {settings.get('max_new_tokens', '?')} tokens; "
-             f"SFT, PPO, DPO and GRPO on the same draws of randomness. Best-of-n trains nothing: the RM keeps the "
-             f"best of n answers that generate.py samples from the SFT model, one kept per prompt (so its standard "
-             f"errors are wider); its best-of-1 row is the first of the same samples, what best-of-n starts from. "
-             f"The RM is the one PPO and GRPO maximise; DPO learnt from the RM's training pairs "
-             f"instead. Judge: snownlp's sentiment naive Bayes, P(positive), mean ± standard error, a model none "
-             f"of them saw (see notes/judge.md for what it cannot tell). KL to SFT in nats per response, estimated "
-             f"from the samples (the sum of log π/π_SFT over each answer's tokens, so a policy close to SFT can show "
-             f"a little below 0); best-of-n's is the bound log n - (n - 1)/n. Wall time is the whole stage; when "
-             f"the stages run in the pipeline's own process (the default --launch), the first of them also loads "
-             f"the judge and measures the SFT policy (about 10 s on the demo), which the ones after it reuse.", "",
-             "| model | RM score | judge | KL | distinct-2 | longest run | ends with [SEP] | mean length | wall time |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for name, m, kl, wall in rows:
-        lines.append(f"| {name} | {m['rm_score']:.3f} ± {m['rm_score_se']:.3f} | {m['judge']:.3f} ± "
-                     f"{m['judge_se']:.3f} | {kl} | {m['distinct_2']:.3f} | {m['longest_run']:.1f} | "
-                     f"{m['eos_share']:.0%} | {m['length']:.1f} | {wall} |")
-    lines.append("")
-    kl_limit = metrics[aligned[0]].get("kl_limit", "?")
-    no_sign = ("no sign of reward hacking: none of the RM up with the judge down, repetition collapsing, fewer "
-               "answers ending, KL past {} nats")
-    for n in BEST_OF if best_of_n else ():
-        m = best_of_n[str(n)]  # judged against its own first samples where there are, else against the SFT row
-        flag = reward_hacking_flag(first or sft, {**m, "kl": m["kl_bound"]},
-                                   kl_limit if isinstance(kl_limit, (int, float)) else math.inf)
-        lines.append(f"- best-of-{n}: " + (f"**{flag}**" if flag else no_sign.format(kl_limit) +
-                                           (", against best-of-1." if first is not None else ".")))
-    for stage in aligned:
-        differs = abs(metrics[stage]["held_out"]["sft"]["rm_score"] - sft["rm_score"]) > 1e-3
-        flag = metrics[stage].get("reward_hacking")
-        lines.append(f"- {stage.upper()}: " + (f"**{flag}**" if flag else
-                     no_sign.format(metrics[stage].get('kl_limit', '?')) + ".") +
-                     (" (Its SFT measurement differs from the table's: the stages' held-out settings differ.)"
-                      if differs else ""))
-    return lines + [""]
-
-
-def aligned_summary(stage: str, metrics: dict, fmt, first_row: dict | None = None) -> str:
-    """The stage table's cell for an alignment stage: held-out RM score and judge, SFT -> the stage, and KL (and
-    DPO's implicit-reward accuracy on its val pairs, from the step-0 row ``first_row`` to the end)."""
-    held = metrics.get("held_out", {})
-    sft, aligned = held.get("sft", {}), held.get(stage, {})
-    start = (first_row or {}).get("val_accuracy")
-    pairs = (f"val implicit-reward accuracy {fmt(start) + ' → ' if start is not None else ''}"
-             f"{fmt(metrics.get('val_accuracy'))}; ") if stage == "dpo" else ""
-    return (f"{pairs}held-out RM score {fmt(sft.get('rm_score'))} (SFT) → {fmt(aligned.get('rm_score'))}, judge "
-            f"{fmt(sft.get('judge'))} → {fmt(aligned.get('judge'))}, KL {fmt(metrics.get('kl'), '.2f')} nats/response")
-
-
-def write_report(args, times, answers, best_of_n=None, baselines=None, kept=()) -> str:
-    """reports/report.md: stage table, held-out comparison, curves, answers table (``kept``: the stages that
-    ``--resume`` kept from the earlier run). Returns the markdown."""
-    configs = {stage: read_json(os.path.join(ROOT, d, "config.json")) for stage, d in CHECKPOINTS.items()}
-    rows = {stage: read_rows(os.path.join(ROOT, d, "metrics.jsonl")) for stage, d in CHECKPOINTS.items()}
-    m = {stage: configs[stage].get("metrics", {}) for stage in CHECKPOINTS}
-    b = baselines or {}
-
-    def fmt(value, spec=".3f"):
-        return "—" if value is None else format(value, spec)
-
-    def speed(stage):
-        value = tokens_per_second(rows[stage])
-        return fmt(value, ",.0f")
-
-    lines = [f"# Report card — preset `{args.preset}`", "",
-             f"Data: `data/MANIFEST.json`. Launch: `{args.launch}`.", "",
-             "| stage | wall time | tokens/s | final metrics |", "|---|---|---|---|",
-             f"| data/prepare.py | {times['data']:.0f} s | — | {'already built; ' if times['data'] < 1 else ''}"
-             f"see data/MANIFEST.json |",
-             f"| counting baselines | {times.get('baselines', 0):.0f} s | — | token bigram, response bigram and naive "
-             f"Bayes (`baselines.py`), fitted on the train splits; each is shown beside the figure it bounds, and "
-             f"explained under the table |",
-             f"| 0-PRETRAIN | {times['pretrain']:.0f} s | {speed('pretrain')} | val loss "
-             f"{fmt(m['pretrain'].get('val_loss'))} (counting baseline: token bigram {fmt(b.get('bigram_val_loss'))}"
-             f"), perplexity {fmt(m['pretrain'].get('val_perplexity'), '.1f')} |",
-             f"| 1-SFT | {times['sft']:.0f} s | {speed('sft')} | val response loss {fmt(m['sft'].get('val_loss'))} "
-             f"(pretrained model: {fmt(m['sft'].get('val_loss_before_sft'))}; counting baseline: response bigram "
-             f"{fmt(b.get('response_bigram_val_loss'))}) |",
-             f"| 2-RM | {times['rm']:.0f} s | {speed('rm')} | test accuracy {fmt(m['rm'].get('test_accuracy'))} "
-             f"(counting baseline: naive Bayes {fmt(b.get('naive_bayes_test_accuracy'))}), "
-             f"test margin {fmt(m['rm'].get('test_margin'))} |",
-             *[f"| 3-{stage.upper()} | {times[stage]:.0f} s | — | "
-               f"{aligned_summary(stage, m[stage], fmt, (rows[stage] or [{}])[0])} |" for stage in ALIGNED],
-             f"| generation | {times['generate']:.0f} s | — | {len(ANSWERING)} models × {len(REPORT_PROMPTS)} prompts |",
-             f"| best-of-n | {times.get('best_of_n', 0):.0f} s | — | {max(BEST_OF)} samples per held-out prompt from "
-             f"the SFT model, scored by the RM |", "",
-             f"Precision: {', '.join(sorted({configs[s].get('mixed_precision', 'no') for s in CHECKPOINTS}))} "
-             f"autocast (`--mixed_precision`; bf16 where the CPU or GPU computes it natively).", "",
-             *([f"Kept from the earlier run by `--resume`: {', '.join(kept)}; their wall times are their training "
-                f"loops' in that run.", ""] if kept else []),
-             "Counting baselines, computed by the pipeline on the same splits: the *token bigram* is the "
-             "cross-entropy of an interpolated Kneser–Ney bigram fitted on `data/pretrain/train.jsonl` (each token "
-             "predicted from the one before it alone); a pretrained model that does not beat it has learnt no more "
-             "than which token tends to follow which. The *response bigram* is the same kind of bigram fitted on the SFT "
-             "training responses only and scored on the same val response tokens as SFT's loss; a fine-tuned model "
-             "that does not beat it answers no better than a table of which token follows which in answers. "
-             "The *naive Bayes* is a character uni+bigram classifier fitted "
-             "on the RM's training pairs (chosen = good, rejected = bad); a reward model that does not beat it "
-             "ranks answers no better than counting their characters.", ""]
-    if args.preset == "tiny":
-        lines += ["**The `tiny` preset is a smoke test**: a 2-layer, 32-wide model trained for a few dozen steps, which "
-                  "the tests use to run every stage in seconds. Its figures are not meant to beat the baselines, and "
-                  "they do not; run the `demo` preset (`make pipeline`) for a report card whose numbers mean "
-                  "something.", ""]
-    lines += held_out_section(m, best_of_n, times) + ["## Curves", ""]
-    for stage, d in CHECKPOINTS.items():
-        for name in sorted(os.listdir(os.path.join(ROOT, d))):
-            if name.endswith(".png"):
-                target = f"{stage}-{name}"
-                shutil.copy2(os.path.join(ROOT, d, name), os.path.join(args.report_dir, target))
-                lines.append(f"![{stage}]({target})")
-    d = REPORT_DECODING
-    decoding = f"temperature {d['temperature']}, top-p {d['top_p']}, repetition penalty {d['repetition_penalty']}"
-    names = {"pretrain": "pretrain", "sft": "SFT", "ppo": "PPO", "dpo": "DPO", "grpo": "GRPO"}
-    lines += ["", f"## The same prompts, {len(ANSWERING)} models", "",
-              f"One sample per prompt and model ({decoding}; seed 1234), up to 48 tokens. Beside each answer: its RM "
-              f"score, its distinct-2 (d-2: different token pairs / token pairs; 1 = no pair repeated) and its "
-              f"longest repeated run in tokens (one n-gram written again and again back to back; 0 = none). "
-              f"Distinct-2 under 0.5 or a run over 8 is degenerate text, whatever its score.", "",
-              "| prompt | model | answer | RM | d-2 | run |", "|---|---|---|---|---|---|"]
-    tokenizer = load_tokenizer(default_path("data", "tokenizer"))
-    for i, prompt in enumerate(REPORT_PROMPTS):
-        for j, stage in enumerate(ANSWERING):
-            row = answers[stage][i] if i < len(answers[stage]) else {}
-            text = str(row.get("response", ""))
-            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-            shown = text.replace("|", "\\|").replace("\n", " ")
-            lines.append(f"| {prompt if j == 0 else ''} | {names[stage]} | {shown} | {fmt(row.get('score'), '.2f')} "
-                         f"| {distinct_n([ids]):.2f} | {longest_repeat(ids)} |")
-    report = "\n".join(lines) + "\n"
-    with open(os.path.join(args.report_dir, "report.md"), "w", encoding="utf-8") as f:
-        f.write(report)
-    return report
 
 
 if __name__ == "__main__":

@@ -55,12 +55,22 @@ from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
 from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from chinese_tokenizer import EOS_ID, PAD_ID, IncrementalDecoder, chat_messages_ids, decode
-from cli import ArgumentParser, UserError, positive_int, run
-from generate import (DTYPES, add_dtype_argument, add_model_arguments, check_reward_dir, find_latest_checkpoint,
-                      load_policy, load_reward, pick_device, prompt_to_ids, weight_dtype)
+from chinese_tokenizer import EOS_ID, PAD_ID, IncrementalDecoder, chat_messages_ids
 from gpt_model import generate
-from reward import score_texts
+from plumbing.cli import ArgumentParser, UserError, run
+from plumbing.devices import pick_device
+from plumbing.inference import (
+    DTYPES,
+    add_dtype_argument,
+    add_model_arguments,
+    check_reward_dir,
+    find_latest_checkpoint,
+    load_policy,
+    load_reward,
+    prompt_to_ids,
+    weight_dtype,
+)
+from plumbing.reward import score_texts
 
 PAGE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "web", "chat.html")
 MAX_BATCH = 16  # rows generated together; also the largest n

@@ -20,8 +20,8 @@ import time
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)  # first, so that `import baselines` is the repository's module and not this script
-from baselines import BigramLM, NaiveBayes, pair_accuracy, unigram_cross_entropy  # noqa: E402
-from cli import ArgumentParser, default_path, positive_int, run  # noqa: E402
+from plumbing.baselines import BigramLM, NaiveBayes, pair_accuracy, unigram_cross_entropy  # noqa: E402
+from plumbing.cli import ArgumentParser, default_path, positive_int, run  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -50,8 +50,9 @@ def parse_args(argv=None):
 
 def language_model(args) -> None:
     from chinese_tokenizer import VOCAB_SIZE, load_tokenizer
-    from corpus import PackedBlocks, load_text_documents
-    from training import spread_subset
+    from plumbing.batching import spread_subset
+    from plumbing.documents import load_text_documents
+    from plumbing.token_cache import PackedBlocks
 
     started = time.time()
     tokenizer = load_tokenizer(args.tokenizer)
@@ -69,10 +70,10 @@ def language_model(args) -> None:
 
 
 def sft_responses(args) -> None:
-    from baselines import chat_predictions
     from chinese_tokenizer import VOCAB_SIZE, load_tokenizer
-    from corpus import ChatPairs, read_chat_pairs
-    from training import spread_subset
+    from plumbing.baselines import chat_predictions
+    from plumbing.batching import ChatPairs, spread_subset
+    from plumbing.records import read_chat_pairs
 
     started = time.time()
     tokenizer = load_tokenizer(args.tokenizer)
@@ -91,7 +92,7 @@ def sft_responses(args) -> None:
 
 
 def reward_model(args) -> None:
-    from corpus import read_jsonl
+    from plumbing.records import read_jsonl
 
     started = time.time()
     train = read_jsonl(args.rm_train, ("prompt", "chosen", "rejected"))

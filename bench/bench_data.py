@@ -79,7 +79,8 @@ def tokenize_rate(sample: str, size: int, num_proc: int, threads: bool = True) -
     tokenizer's own threads (TOKENIZERS_PARALLELISM)."""
     os.environ["TOKENIZERS_PARALLELISM"] = "true" if threads else "false"
     from chinese_tokenizer import load_tokenizer
-    from corpus import description_path, load_text_documents, tokenize_to_file
+    from plumbing.documents import load_text_documents
+    from plumbing.token_cache import description_path, tokenize_to_file
 
     tokenizer = load_tokenizer(os.path.join(ROOT, "data", "tokenizer"))
     if num_proc == 1:
@@ -144,7 +145,6 @@ def main():
 
     import datasets
     import torch
-
     from bench_attention import cpu_name
 
     print(f"CPU: {cpu_name()}; {os.cpu_count()} cores; torch {torch.__version__}, datasets {datasets.__version__}")

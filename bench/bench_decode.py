@@ -31,8 +31,9 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from bench_attention import cpu_name  # noqa: E402
-from cli import HelpFormatter  # noqa: E402
+
 from gpt_model import GPTModel, apply_rope, generate, get_preset, rope_angles  # noqa: E402
+from plumbing.cli import HelpFormatter  # noqa: E402
 
 PROMPT_LEN = 16
 # "autocast": fp32 weights decoded under CPU bf16 autocast, as the alignment stages sample (autocast keeps one bf16

@@ -35,9 +35,9 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from cli import HelpFormatter  # noqa: E402
 from gpt_model import PRESETS, GPTModel, generate, get_preset  # noqa: E402
-from load_weight import gpt_to_hf_state_dict, hf_config_from_gpt  # noqa: E402
+from plumbing.cli import HelpFormatter  # noqa: E402
+from plumbing.hf_weights import gpt_to_hf_state_dict, hf_config_from_gpt  # noqa: E402
 
 PROMPT_LEN = 16  # tokens of the random prompt that every generation starts from
 

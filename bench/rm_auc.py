@@ -20,11 +20,11 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from baselines import NaiveBayes  # noqa: E402
-from checkpoint import load_checkpoint  # noqa: E402
-from corpus import read_preference_pairs  # noqa: E402
-from reward import score_texts  # noqa: E402
-from training import native_bf16  # noqa: E402
+from plumbing.baselines import NaiveBayes  # noqa: E402
+from plumbing.checkpoint import load_checkpoint  # noqa: E402
+from plumbing.devices import native_bf16  # noqa: E402
+from plumbing.records import read_preference_pairs  # noqa: E402
+from plumbing.reward import score_texts  # noqa: E402
 
 DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "rm")
 

@@ -26,7 +26,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from cli import ArgumentParser  # noqa: E402
+from plumbing.cli import ArgumentParser  # noqa: E402
 
 # Every flag a PPO recipe changes is spelled out, so that a recipe keeps its meaning when 3-PPO.py's defaults
 # change; the rest is the demo preset (20 iterations, learning rate 1e-4, 4 PPO epochs).

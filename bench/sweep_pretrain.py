@@ -37,9 +37,10 @@ import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from cli import ArgumentParser, default_path, run  # noqa: E402
 from gpt_model import GPTModel, get_preset  # noqa: E402
-from training import BatchSchedule, lr_at, set_lr, spread_subset  # noqa: E402
+from plumbing.batching import BatchSchedule, spread_subset  # noqa: E402
+from plumbing.cli import ArgumentParser, default_path, run  # noqa: E402
+from plumbing.optimizers import lr_at, set_lr  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -183,7 +184,8 @@ RECIPES = {
 def load_tokens(args):
     """Train and val token streams (documents joined with [SEP], exactly ``corpus.PackedBlocks.tokens``)."""
     from chinese_tokenizer import load_tokenizer
-    from corpus import PackedBlocks, load_text_documents
+    from plumbing.documents import load_text_documents
+    from plumbing.token_cache import PackedBlocks
 
     tokenizer = load_tokenizer(args.tokenizer)
     train = PackedBlocks(load_text_documents(args.train_files, "--train_files"), tokenizer, 256, "train")
@@ -220,11 +222,11 @@ def build_optimizer(model: GPTModel, r: Recipe) -> torch.optim.Optimizer:
 
     Each group's ``lr_scale`` multiplies the schedule's learning rate in ``set_lr``.
     """
-    from training import make_optimizer
+    from plumbing.optimizers import make_optimizer
 
     if r.optimizer == "adamw" and r.embedding_lr_scale == r.position_lr_scale == 1.0 and r.betas == (0.9, 0.95):
         return make_optimizer(model, r.lr, r.weight_decay)
-    from training import make_optimizer_groups, MuonAdamW
+    from plumbing.optimizers import MuonAdamW, make_optimizer_groups
 
     groups = make_optimizer_groups(model, r.weight_decay, muon=r.optimizer == "muon",
                                    embedding_lr_scale=r.embedding_lr_scale, muon_lr_scale=r.muon_lr / r.lr)

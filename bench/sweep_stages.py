@@ -25,7 +25,7 @@ import time
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
-from cli import ArgumentParser, run  # noqa: E402
+from plumbing.cli import ArgumentParser, run  # noqa: E402
 
 # name -> (stage, flags added to the stage's demo defaults). The first recipe of each stage is today's default.
 RECIPES = {

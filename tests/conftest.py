@@ -84,8 +84,8 @@ def tiny_policy_and_rm(tmp_path_factory, tiny_pretrain_checkpoint, tokenizer):
     whose backbone is that checkpoint and whose head is freshly initialised."""
     import torch
 
-    from checkpoint import load_checkpoint, save_checkpoint
     from gpt_model import RewardModel
+    from plumbing.checkpoint import load_checkpoint, save_checkpoint
 
     policy, _, _ = load_checkpoint(str(tiny_pretrain_checkpoint), "gpt")
     torch.manual_seed(0)

@@ -6,11 +6,11 @@ import math
 
 import pytest
 import torch
-
-from alignment import sequence_logprobs
-from checkpoint import load_checkpoint
-from conftest import load_script
 from test_rm import easy_pairs, write_jsonl
+
+from conftest import load_script
+from plumbing.alignment import sequence_logprobs
+from plumbing.checkpoint import load_checkpoint
 
 DPO = load_script("3-DPO.py")
 
@@ -87,7 +87,7 @@ def test_dpo_learns_an_easy_preference_and_writes_a_gpt(tmp_path, pairs, tiny_po
 
 def test_dpo_reads_conversation_pairs_as_the_same_examples(tmp_path, pairs, tokenizer):
     """chosen/rejected conversations go through the template exactly like the flat pairs they hold."""
-    from corpus import read_preference_pairs
+    from plumbing.records import read_preference_pairs
 
     flat = read_preference_pairs(pairs["train"], "--train_files")
     rows = [{"chosen": [{"role": "user", "content": p}, {"role": "assistant", "content": c}],

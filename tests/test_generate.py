@@ -15,10 +15,11 @@ import pytest
 import torch
 
 import generate as gen
-from checkpoint import load_checkpoint, save_checkpoint
 from chinese_tokenizer import CLS_ID, SEP_ID, chat_prompt_ids, decode, encode, until_eos
-from cli import run
 from gpt_model import GPTModel, RewardModel, get_preset
+from plumbing import inference
+from plumbing.checkpoint import load_checkpoint, save_checkpoint
+from plumbing.cli import run
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 # untied output head: with tied embeddings, random weights make greedy decoding repeat one token forever
@@ -110,7 +111,7 @@ def test_system_text_goes_before_the_prompt(capsys, ckpts, policy, tokenizer):
     from chinese_tokenizer import ANSWER_ID, CLS_ID, SEP_ID
 
     ids = [CLS_ID] + encode("你是诗人", tokenizer) + [SEP_ID] + encode(PROMPT, tokenizer) + [ANSWER_ID]
-    assert gen.prompt_to_ids(PROMPT, tokenizer, True, CONTEXT, system="你是诗人") == ids
+    assert inference.prompt_to_ids(PROMPT, tokenizer, True, CONTEXT, system="你是诗人") == ids
     _, out, _ = cli(capsys, "--checkpoint", ckpts["sft"], "--prompt", PROMPT, "--system", "你是诗人",
                     "--temperature", 0, "--max_new_tokens", 8)
     assert out == decode(greedy(policy, ids, 8), tokenizer) + "\n"
@@ -199,8 +200,8 @@ def test_prompt_longer_than_context_keeps_its_end(capsys, ckpts, policy, tokeniz
     kept = kept[:1] + kept[1:-1][-(CONTEXT - 2):] + kept[-1:]  # [CLS] and [ANS] stay, the prompt's start goes
     assert code == 0 and f"keeping its last {CONTEXT - 2}" in err
     assert out == decode(greedy(policy, kept, 5), tokenizer) + "\n"
-    assert gen.prompt_to_ids(prompt, tokenizer, True, CONTEXT) == kept
-    assert gen.prompt_to_ids(prompt, tokenizer, False, CONTEXT) == ids[-CONTEXT:]
+    assert inference.prompt_to_ids(prompt, tokenizer, True, CONTEXT) == kept
+    assert inference.prompt_to_ids(prompt, tokenizer, False, CONTEXT) == ids[-CONTEXT:]
 
 
 @torch.no_grad()
@@ -378,12 +379,12 @@ def test_text_stream_writes_each_token_as_it_arrives(tokenizer):
 
 def test_default_checkpoint_is_the_latest_stage(capsys, monkeypatch, tmp_path, ckpts, policy, tokenizer):
     stages = [str(tmp_path / "ppo"), ckpts["sft"], ckpts["pretrain"]]  # no PPO checkpoint yet
-    monkeypatch.setattr(gen, "STAGE_DIRS", stages)
+    monkeypatch.setattr(inference, "STAGE_DIRS", stages)
     code, out, err = cli(capsys, "--prompt", PROMPT, "--temperature", 0, "--max_new_tokens", 5)
     assert code == 0 and f"using {ckpts['sft']}" in err
     assert out == decode(greedy(policy, chat_prompt_ids(PROMPT, tokenizer), 5), tokenizer) + "\n"
 
-    monkeypatch.setattr(gen, "STAGE_DIRS", [str(tmp_path / "ppo"), str(tmp_path / "sft")])
+    monkeypatch.setattr(inference, "STAGE_DIRS", [str(tmp_path / "ppo"), str(tmp_path / "sft")])
     code, out, err = cli(capsys, "--prompt", PROMPT)
     assert code == 2 and "no checkpoint in" in err and "--checkpoint" in err
 
@@ -443,5 +444,5 @@ def test_from_hf_loads_through_load_weight(capsys, tmp_path, policy, tokenizer):
     # Chinese GPT-2 weights (uer's) were trained on "[CLS] text [SEP]": the prompt starts with [CLS] as theirs did
     assert out == decode(greedy(policy, [CLS_ID] + encode(PROMPT, tokenizer), 8), tokenizer) + "\n"
     long_prompt = PROMPT * CONTEXT
-    ids = gen.prompt_to_ids(long_prompt, tokenizer, False, CONTEXT, CLS_ID)  # cut from the left, [CLS] kept
+    ids = inference.prompt_to_ids(long_prompt, tokenizer, False, CONTEXT, CLS_ID)  # cut from the left, [CLS] kept
     assert len(ids) == CONTEXT and ids == [CLS_ID] + encode(long_prompt, tokenizer)[-(CONTEXT - 1):]

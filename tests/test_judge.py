@@ -5,7 +5,7 @@ import math
 
 import pytest
 
-import judge
+from plumbing import judge
 
 
 def test_distinct_2_pools_the_bigrams_of_all_responses():

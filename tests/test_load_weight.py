@@ -20,10 +20,10 @@ from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
 from transformers.utils import logging as hf_logging
 
 import load_weight
-from checkpoint import load_checkpoint
 from chinese_tokenizer import encode
-from cli import UserError, run
 from gpt_model import GPTConfig, GPTModel, generate
+from plumbing.checkpoint import load_checkpoint
+from plumbing.cli import UserError, run
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CTX, EMB, LAYERS, HEADS = 32, 32, 2, 2

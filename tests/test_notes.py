@@ -51,7 +51,9 @@ LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 
 
 def code_files():
-    return sorted(ROOT.glob("*.py")) + [ROOT / "data" / "prepare.py"]
+    """The files a note explains: the root's scripts, the package's modules and data/prepare.py."""
+    package = [p for p in sorted((ROOT / "plumbing").glob("*.py")) if p.name != "__init__.py"]
+    return sorted(ROOT.glob("*.py")) + package + [ROOT / "data" / "prepare.py"]
 
 
 # --- symbols of a code file ----------------------------------------------------------------------------------------

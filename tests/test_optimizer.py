@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from gpt_model import GPTModel, get_preset
-from training import (MuonAdamW, load_training_state, make_optimizer, make_optimizer_groups, save_training_state,
-                      set_lr)
+from plumbing.optimizers import MuonAdamW, make_optimizer, make_optimizer_groups, set_lr
+from plumbing.training import load_training_state, save_training_state
 
 
 def tiny_model(seed=0, **changes):
@@ -100,8 +100,9 @@ def test_resume_through_saved_state_is_bit_identical(tmp_path):
 @pytest.mark.slow
 def test_pretrain_stage_with_muon_resumes_bit_identically(tmp_path, tiny_corpus):
     """0-PRETRAIN --optimizer muon: 3 steps, stop, --resume to 6 gives the weights of 6 steps straight."""
-    from conftest import run_script
     from safetensors.torch import load_file
+
+    from conftest import run_script
 
     def pretrain(out, *extra):
         return run_script("0-PRETRAIN.py", "--preset", "tiny", "--optimizer", "muon", "--max_steps", "6",
@@ -122,7 +123,7 @@ def test_newton_schulz_in_bf16_is_torchs_iteration_bitwise():
     it is close to it and its singular values are near 1 (the point of the iteration)."""
     from torch.optim._muon import _zeropower_via_newtonschulz
 
-    from training import NEWTON_SCHULZ_COEFFICIENTS, newton_schulz
+    from plumbing.optimizers import NEWTON_SCHULZ_COEFFICIENTS, newton_schulz
 
     torch.manual_seed(0)
     for shape in ((8, 24), (24, 8), (16, 16)):
@@ -138,7 +139,7 @@ def test_newton_schulz_in_bf16_is_torchs_iteration_bitwise():
 def test_muon_step_matches_torch_muon_in_bf16_and_picks_fp32_without_native_bf16(monkeypatch):
     """Three steps of our Muon with a bf16 iteration leave the weights and momentum of torch.optim.Muon
     (adjust_lr_fn="original") bit for bit; the default precision follows native_bf16()."""
-    import training
+    from plumbing import optimizers as training
 
     def run(make):
         torch.manual_seed(1)

@@ -7,6 +7,7 @@ import os
 import pytest
 
 import pipeline
+from plumbing import report
 
 MONITORS = {"rm_score": 0.5, "rm_score_se": 0.1, "judge": 0.6, "judge_se": 0.02, "kl": 0.0, "kl_se": 0.0,
             "distinct_2": 0.9, "longest_run": 2.0, "eos_share": 0.25, "length": 30.0}
@@ -28,7 +29,7 @@ def test_held_out_section_has_a_row_per_model_and_each_flag():
                "grpo": {"held_out": {"sft": {**MONITORS, "rm_score": 0.7}, "grpo": grpo}, "kl_limit": 3.0,
                         "reward_hacking": ""}}
     times = {"ppo": 100.4, "dpo": 60.0, "grpo": 80.0, "best_of_n": 30.2}
-    lines = pipeline.held_out_section(metrics, {"4": best_of(4, 1.0), "16": best_of(16, 1.8)}, times)
+    lines = report.held_out_section(metrics, {"4": best_of(4, 1.0), "16": best_of(16, 1.8)}, times)
     text = "\n".join(lines)
     rows = [line for line in lines if line.startswith("| ") and not line.startswith("| model")]
     assert [r.split(" | ")[0] for r in rows] == ["| SFT", "| best-of-4 (SFT + RM)", "| best-of-16 (SFT + RM)",
@@ -47,10 +48,10 @@ def test_held_out_section_has_a_row_per_model_and_each_flag():
 def test_held_out_section_with_one_stage_and_no_best_of_n():
     metrics = {"ppo": {"held_out": {"sft": MONITORS, "ppo": MONITORS}, "kl_limit": 3.0, "reward_hacking": ""},
                "dpo": {}}
-    text = "\n".join(pipeline.held_out_section(metrics))
+    text = "\n".join(report.held_out_section(metrics))
     assert "| best-of" not in text and text.count("| PPO |") == 1 and "| DPO |" not in text
     assert "no sign of reward hacking" in text
-    assert pipeline.held_out_section({"ppo": {}}) == []  # checkpoints from before the monitors
+    assert report.held_out_section({"ppo": {}}) == []  # checkpoints from before the monitors
 
 
 def test_aligned_summary_names_the_stage_and_dpo_pairs():
@@ -59,18 +60,18 @@ def test_aligned_summary_names_the_stage_and_dpo_pairs():
 
     metrics = {"held_out": {"sft": MONITORS, "dpo": {**MONITORS, "rm_score": 1.25, "judge": 0.75}}, "kl": 2.0,
                "val_accuracy": 0.8}
-    cell = pipeline.aligned_summary("dpo", metrics, fmt)
+    cell = report.aligned_summary("dpo", metrics, fmt)
     assert cell == ("val implicit-reward accuracy 0.800; held-out RM score 0.500 (SFT) → 1.250, judge 0.600 → "
                     "0.750, KL 2.00 nats/response")
-    assert pipeline.aligned_summary("dpo", metrics, fmt, {"step": 0, "val_accuracy": 0.5}).startswith(
+    assert report.aligned_summary("dpo", metrics, fmt, {"step": 0, "val_accuracy": 0.5}).startswith(
         "val implicit-reward accuracy 0.500 → 0.800; held-out")  # from step 0 (chance) to the end
-    assert pipeline.aligned_summary("grpo", {}, fmt).startswith("held-out RM score — (SFT) → —")
+    assert report.aligned_summary("grpo", {}, fmt).startswith("held-out RM score — (SFT) → —")
 
 
 def test_in_process_gives_the_exit_code_a_subprocess_would(capsys, tmp_path, monkeypatch):
     """pipeline.in_process runs a script's main in ROOT and turns a UserError into its one line and exit code 2,
     argparse's exit into its code; the caller's working directory is back afterwards."""
-    from cli import ArgumentParser, UserError
+    from plumbing.cli import ArgumentParser, UserError
 
     monkeypatch.chdir(tmp_path)
     seen = []
@@ -132,7 +133,7 @@ def test_best_of_n_rows_start_from_best_of_1_and_are_flagged_like_the_stages():
     first = {**best_of(1, 0.4), "eos_share": 0.6}
     best = {"1": first, "4": {**best_of(4, 1.0), "eos_share": 0.55},
             "16": {**best_of(16, 1.8), "eos_share": 0.2}}  # 60% -> 20% ending: more than the 15-point allowance
-    lines = pipeline.held_out_section(metrics, best, {"best_of_n": 30.0})
+    lines = report.held_out_section(metrics, best, {"best_of_n": 30.0})
     names = [line.split(" | ")[0] for line in lines if line.startswith("| ") and not line.startswith("| model")]
     assert names == ["| SFT", "| best-of-1 (SFT, its first sample)", "| best-of-4 (SFT + RM)",
                      "| best-of-16 (SFT + RM)", "| PPO"]
@@ -140,7 +141,7 @@ def test_best_of_n_rows_start_from_best_of_1_and_are_flagged_like_the_stages():
     assert "- best-of-4: no sign of reward hacking" in text and "against best-of-1." in text
     assert "- best-of-16: **reward hacking suspected: fewer answers end: 60% -> 20% end with [SEP].**" in text
     # SFT's row ends 25%: judged against it instead, best-of-16's 20% would pass, so the pairing is what is tested
-    assert "- best-of-16: no sign" in "\n".join(pipeline.held_out_section(metrics, {k: v for k, v in best.items()
+    assert "- best-of-16: no sign" in "\n".join(report.held_out_section(metrics, {k: v for k, v in best.items()
                                                                                     if k != "1"}))
 
 
@@ -150,7 +151,7 @@ def fake_checkpoint(root, stage, preset="demo", parent_weights=None, state=False
     its parent's (and reward model's) sha256, a model.safetensors of its own bytes, and state/ if asked."""
     import json
 
-    from checkpoint import file_sha256
+    from plumbing.checkpoint import file_sha256
 
     folder = root / pipeline.CHECKPOINTS[stage]
     folder.mkdir(parents=True, exist_ok=True)
@@ -182,7 +183,7 @@ def test_resume_keeps_the_finished_stages_and_continues_the_stopped_one(tmp_path
     fake_checkpoint(tmp_path, "rm", parent_weights=sft, state=True)
     old_sft = tmp_path / "old.safetensors"
     old_sft.write_bytes(b"an older SFT model")
-    for stage in pipeline.ALIGNED:
+    for stage in report.ALIGNED:
         fake_checkpoint(tmp_path, stage, parent_weights=old_sft)
     assert planned(["--resume"]) == {"pretrain": None, "sft": None, "rm": ["--resume"], "ppo": ["--overwrite"],
                                      "dpo": ["--overwrite"], "grpo": ["--overwrite"]}
@@ -199,7 +200,7 @@ def test_a_stopped_stage_tells_how_to_continue_the_pipeline(monkeypatch):
     continues the pipeline (not the stage alone)."""
     import signal
 
-    import cli
+    from plumbing import cli
 
     monkeypatch.setattr(cli, "interrupt_hint", None)
     monkeypatch.setattr(pipeline.sys, "argv", ["pipeline.py", "--preset", "tiny"])

@@ -8,9 +8,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import alignment
 from conftest import load_script, run_script
 from gpt_model import GPTModel, RewardModel, get_preset
+from plumbing import alignment
 
 ppo = load_script("3-PPO.py")
 

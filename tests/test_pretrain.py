@@ -11,10 +11,12 @@ import torch
 from safetensors.torch import load_file
 
 from conftest import run_script
-from cli import UserError
-from corpus import PackedBlocks, load_text_documents
 from gpt_model import GPTModel, get_preset
-from training import BatchSchedule, lr_at, make_optimizer
+from plumbing.batching import BatchSchedule
+from plumbing.cli import UserError
+from plumbing.documents import load_text_documents
+from plumbing.optimizers import lr_at, make_optimizer
+from plumbing.token_cache import PackedBlocks
 
 
 def test_lr_schedule_by_hand():
@@ -87,7 +89,7 @@ def test_tokens_are_cached_on_disk_and_read_lazily(tokenizer, tmp_path, monkeypa
     import datasets
     import numpy as np
 
-    import corpus
+    from plumbing import token_cache as corpus
 
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "cache"))
     path = tmp_path / "docs.jsonl"
@@ -125,7 +127,7 @@ def test_parquet_jsonl_fields_and_datasets_give_the_same_tokens(tokenizer, tmp_p
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from cli import UserError
+    from plumbing.cli import UserError
 
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "cache"))
     texts = ["你好", "世界和平", "再见"]
@@ -169,7 +171,7 @@ def test_a_hub_name_that_cannot_be_loaded_is_one_line_and_a_mistyped_path_stays_
     import datasets
     import huggingface_hub
 
-    from cli import UserError
+    from plumbing.cli import UserError
 
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
@@ -192,7 +194,7 @@ def test_saved_datasets_take_splits_and_row_slices_and_hub_folders_keep_their_me
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from cli import UserError
+    from plumbing.cli import UserError
 
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "cache"))
     datasets.Dataset.from_dict({"text": [str(i) for i in range(10)]}).save_to_disk(str(tmp_path / "ds_one"))
@@ -229,8 +231,8 @@ def test_a_killed_runs_half_written_token_file_is_removed_and_sigterm_cleans_up(
     import sys
     import time
 
-    import corpus
     from conftest import REPO_ROOT
+    from plumbing import token_cache as corpus
 
     path = str(tmp_path / "t" / "abc.bin")
     os.makedirs(os.path.dirname(path))
@@ -267,7 +269,7 @@ def test_a_bad_record_leaves_no_token_file_behind(tokenizer, tmp_path, monkeypat
     token file that a later run could take for a whole one)."""
     import datasets
 
-    from cli import UserError
+    from plumbing.cli import UserError
 
     cache = tmp_path / "cache"
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(cache))

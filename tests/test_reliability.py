@@ -12,11 +12,12 @@ import threading
 import pytest
 import torch
 
-from checkpoint import load_checkpoint, load_pickle_free, load_weights_into, save_checkpoint
-from cli import UserError
 from conftest import REPO_ROOT, run_script
-from corpus import load_text_documents, read_jsonl
 from gpt_model import GPTModel, get_preset
+from plumbing.checkpoint import load_checkpoint, load_pickle_free, load_weights_into, save_checkpoint
+from plumbing.cli import UserError
+from plumbing.documents import load_text_documents
+from plumbing.records import read_jsonl
 
 
 def snapshot(directory):
@@ -208,8 +209,8 @@ def test_reward_checkpoint_required_where_a_reward_model_is_needed(tmp_path, tok
 
 def test_a_stage_names_the_flag_of_a_checkpoint_of_the_wrong_kind(tmp_path, tokenizer):
     """--init of the SFT stage given a reward model, through the stages' load_backbone."""
-    from checkpoint import load_backbone
     from gpt_model import RewardModel
+    from plumbing.checkpoint import load_backbone
     out = tmp_path / "rm"
     save_checkpoint(str(out), RewardModel(tiny_model().cfg), tokenizer, {"stage": "rm"})
     with pytest.raises(UserError, match=r"^--init \S+ is a reward model, but a language model is needed"):
@@ -285,7 +286,7 @@ def test_impossible_settings_stop_before_anything_is_written(tmp_path, tiny_corp
 def test_overwrite_and_resume_messages_offer_what_the_folder_allows(tmp_path):
     """A finished checkpoint: the refusal offers --overwrite, not --resume, and --resume on it says to use
     --overwrite; a folder with a saved state offers --resume."""
-    from checkpoint import check_output_dir
+    from plumbing.checkpoint import check_output_dir
 
     (tmp_path / "config.json").write_text("{}", encoding="utf-8")
     with pytest.raises(UserError) as refused:

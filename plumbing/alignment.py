@@ -25,13 +25,14 @@ import sys
 import torch
 from accelerate import PartialState
 
-from checkpoint import CHAT_STAGES, load_backbone, load_checkpoint, read_config
 from chinese_tokenizer import EOS_ID, chat_prompt_ids, decode
-from cli import UserError, default_path, positive_int
-from corpus import pad_left, read_prompt_files, shown_prompt
 from gpt_model import generate
-from judge import reward_hacking_flag, summarize
-from training import markdown_table
+from plumbing.batching import pad_left
+from plumbing.checkpoint import CHAT_STAGES, load_backbone, load_checkpoint, read_config
+from plumbing.cli import UserError, default_path, positive_int
+from plumbing.judge import reward_hacking_flag, summarize
+from plumbing.records import read_prompt_files, shown_prompt
+from plumbing.report import markdown_table
 
 
 def token_logprobs(logits, tokens):

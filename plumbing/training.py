@@ -1,18 +1,15 @@
 """The pieces of the Accelerate training loop that every stage shares.
 
 * ``make_accelerator``: devices, mixed precision and processes come from ``accelerate launch`` (or plain python).
-* ``make_optimizer`` / ``lr_at``: AdamW with decoupled weight decay on matrices only (Loshchilov & Hutter 2019),
-  linear warm-up then cosine decay to 10% (as in GPT-3's recipe); or Muon for the Transformer blocks' matrices
-  with AdamW for the rest (``MuonAdamW``, as nanochat and the modded-nanogpt speedrun train).
-* ``BatchSchedule``: which examples make up each micro-batch of each step on each process. The data position is
-  a pure function of (seed, step), so resuming at step s continues exactly where the run stopped, and N processes
-  with batch b see the same global batches as one process with batch N*b.
-* ``save_training_state`` / ``load_training_state``: optimizer, step and RNG in safetensors + JSON (no pickle).
+* ``save_training_state`` / ``load_training_state``: optimizer, step and RNG in safetensors + JSON (no pickle);
+  ``run_settings`` / ``check_same_settings``: a ``--resume`` must repeat the saved run's settings.
 * ``StopSignal``: Ctrl-C / SIGTERM finish the current step, save a resumable state, then exit.
-* ``MetricsLog``: metrics.jsonl rows and the curves PNG; ``markdown_table`` for the samples tables.
+* ``MetricsLog``: metrics.jsonl rows and the curves PNG.
 * ``evaluate_lm``: mean next-token loss over a validation set, split over processes.
 * ``StageRun``: the plumbing every stage shares (resume, the step loop and its bar, the optimizer step, the loss
   check that all processes agree on, saves, the closing message), so each stage script keeps only its own story.
+
+The optimizers live in ``optimizers.py``, the data order (``BatchSchedule``) in ``batching.py``.
 """
 
 from __future__ import annotations
@@ -25,13 +22,14 @@ import time
 from contextlib import ExitStack
 
 import torch
-import torch.nn as nn
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
-from checkpoint import command_line, load_weights_into, save_checkpoint
-import cli
-from cli import UserError
+from plumbing import cli
+from plumbing.checkpoint import command_line, load_weights_into, save_checkpoint
+from plumbing.cli import UserError
+from plumbing.devices import pick_mixed_precision
+from plumbing.optimizers import lr_at, set_lr
 
 
 def make_accelerator(args):
@@ -60,241 +58,6 @@ def make_accelerator(args):
                           f"launch` sets unless given --cpu); launch with --cpu or "
                           f"--num_cpu_threads_per_process {cores}")
     return accelerator
-
-
-def native_bf16() -> bool:
-    """True where bf16 matmuls run natively: a CUDA GPU that supports bf16, or a CPU whose flags include
-    AVX512-BF16 or AMX-BF16 (Linux ``/proc/cpuinfo``; elsewhere False). Without them bf16 is emulated and slower."""
-    if torch.cuda.is_available():
-        return torch.cuda.is_bf16_supported()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
-
-
-def pick_mixed_precision(choice: str) -> str:
-    """``--mixed_precision``: an explicit "no"/"bf16"/"fp16" wins. "auto" keeps what ``accelerate launch`` was
-    given (it always sets ``ACCELERATE_MIXED_PRECISION``, from its flag or its config); a stage run with plain
-    ``python`` gets bf16 where ``native_bf16()``, else "no" (fp32)."""
-    if choice != "auto":
-        return choice
-    return os.environ.get("ACCELERATE_MIXED_PRECISION") or ("bf16" if native_bf16() else "no")
-
-
-# optimizer="muon": Muon's rate and the token embedding's AdamW rate, as multiples of the peak learning rate. At
-# the demo's 2e-3: Muon 0.02 (nanochat's matrix rate) and embedding 0.06 (bench/README.md: the demo sweep)
-MUON_LR_SCALE = 10.0
-EMBEDDING_LR_SCALE = 30.0
-
-
-def make_optimizer(model: nn.Module, learning_rate: float, weight_decay: float,
-                   optimizer: str = "adamw", embedding_lr_scale: float = 1.0) -> torch.optim.Optimizer:
-    """AdamW with weight decay on the weight matrices of Linear layers only; biases, norm scales/shifts and
-    embeddings (and the head tied to them) are not decayed. With ``embedding_lr_scale`` other than 1 the embedding
-    tables form a group of their own whose rate is that many times the schedule's (``set_lr``): the reward model
-    learns which tokens read as good or bad mostly there (bench/README.md: the RM recipes).
-
-    ``optimizer="muon"``: ``MuonAdamW`` instead, Muon on the Transformer blocks' matrices at ``MUON_LR_SCALE``
-    times the learning rate, AdamW on the token embedding at ``EMBEDDING_LR_SCALE`` times it and on the rest at
-    the learning rate (see ``make_optimizer_groups``).
-    """
-    if optimizer == "muon":
-        groups = make_optimizer_groups(model, weight_decay, muon=True, embedding_lr_scale=EMBEDDING_LR_SCALE,
-                                       muon_lr_scale=MUON_LR_SCALE)
-        return MuonAdamW(groups, lr=learning_rate)
-    if optimizer != "adamw":
-        raise ValueError(f"optimizer must be 'adamw' or 'muon', got {optimizer!r}")
-    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
-    decay, no_decay, tables = [], [], []
-    for p in model.parameters():  # parameters() yields a tied weight once
-        if not p.requires_grad:
-            continue
-        if id(p) in embeddings:
-            (tables if embedding_lr_scale != 1.0 else no_decay).append(p)
-        else:
-            (decay if p.dim() >= 2 else no_decay).append(p)
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    if tables:
-        groups.append({"params": tables, "weight_decay": 0.0, "lr_scale": embedding_lr_scale})
-    # the fused kernel updates all parameters in one pass (the per-tensor loop costs seconds a step on a CPU)
-    return torch.optim.AdamW(groups, lr=learning_rate, betas=(0.9, 0.95), eps=1e-8, fused=True)
-
-
-def make_optimizer_groups(model: nn.Module, weight_decay: float, muon: bool = False,
-                          embedding_lr_scale: float = 1.0, muon_lr_scale: float = 10.0) -> list[dict]:
-    """Parameter groups of a ``gpt_model.GPTModel`` for ``MuonAdamW``: with ``muon``, the 2-D weights of the
-    Transformer blocks (attention and MLP matrices) form a Muon group (``"muon": True``) whose learning rate is ``muon_lr_scale`` times the
-    schedule's, decayed by ``weight_decay``; the token embedding (and the head tied to it) is an AdamW group at
-    ``embedding_lr_scale`` times the schedule's; an untied head is decayed like the matrices in ``make_optimizer``;
-    positions, norms and biases are not decayed. Without ``muon`` the block matrices are a decayed AdamW group."""
-    embedding = model.tok_emb.weight
-    blocks = {id(p) for block in model.trf_blocks for p in block.parameters() if p.dim() == 2}
-    matrices, embeddings, decay, rest = [], [], [], []
-    for p in model.parameters():  # parameters() yields a tied weight once
-        if not p.requires_grad:
-            continue
-        if id(p) in blocks:
-            matrices.append(p)
-        elif p is embedding:
-            embeddings.append(p)
-        elif p is model.out_head.weight:  # an untied head
-            decay.append(p)
-        else:
-            rest.append(p)
-    groups = [{"params": matrices, "weight_decay": weight_decay, "muon": muon,
-               "lr_scale": muon_lr_scale if muon else 1.0},
-              {"params": embeddings, "weight_decay": 0.0, "lr_scale": embedding_lr_scale},
-              {"params": decay, "weight_decay": weight_decay},
-              {"params": rest, "weight_decay": 0.0}]
-    return [g for g in groups if g["params"]]
-
-
-# Keller Jordan's quintic Newton-Schulz coefficients (https://kellerjordan.github.io/posts/muon/), as in
-# torch.optim.Muon: chosen for the steepest slope at 0, so 5 steps bring every singular value near 1.
-NEWTON_SCHULZ_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
-
-
-def newton_schulz_dtype() -> torch.dtype:
-    """The precision of Muon's Newton-Schulz iteration: bf16 where it is computed natively (``native_bf16``), as
-    Keller Jordan's Muon and ``torch.optim.Muon`` run it; float32 elsewhere. On a CPU without AVX512-BF16 or AMX a
-    bf16 matrix product is emulated and about 35 times slower than float32 (bench/README.md: the demo's
-    pretraining step took 12 s instead of 1.2 s on such a CPU, 10.8 s of it in the iteration)."""
-    return torch.bfloat16 if native_bf16() else torch.float32
-
-
-def newton_schulz(grad, steps: int = 5, dtype: torch.dtype = torch.bfloat16, eps: float = 1e-7):
-    """The nearest semi-orthogonal matrix to ``grad`` (R, C), approximately: ``steps`` quintic Newton-Schulz
-    iterations X <- aX + (bXX^T + c(XX^T)^2)X on X = grad / ||grad||_F in ``dtype``, on the wide orientation (the
-    Gram matrix is min(R, C) square). The singular values come out between roughly 0.5 and 1.5, not exactly 1,
-    which Muon does not need. Returns (R, C) in ``dtype``. In bf16 it is the operations of ``torch.optim.Muon``'s
-    ``_zeropower_via_newtonschulz`` one for one (a test checks the two are bitwise equal)."""
-    a, b, c = NEWTON_SCHULZ_COEFFICIENTS
-    x = grad.to(dtype)
-    tall = grad.size(0) > grad.size(1)
-    if tall:
-        x = x.T
-    x = x / x.norm().clamp(min=eps)  # the spectral norm is at most the Frobenius norm: now <= 1
-    for _ in range(steps):
-        gram = x @ x.T  # (r, r), r = min(R, C)
-        x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
-    return x.T if tall else x
-
-
-class Muon(torch.optim.Optimizer):
-    """Muon (Jordan et al. 2024, https://kellerjordan.github.io/posts/muon/) for 2-D weights: Nesterov momentum,
-    then the update replaced by its ``newton_schulz`` orthogonalisation, scaled by ``sqrt(max(1, rows / cols))``,
-    with decoupled weight decay. The same update as ``torch.optim.Muon(adjust_lr_fn="original")``, whose
-    iteration always runs in bf16; here ``ns_dtype`` chooses (default ``newton_schulz_dtype()``), so a CPU without
-    native bf16 is not ten times slower. The state is ``momentum_buffer`` per parameter, as torch's."""
-
-    def __init__(self, params, lr: float, momentum: float = 0.95, weight_decay: float = 0.1, ns_steps: int = 5,
-                 ns_dtype: torch.dtype | None = None):
-        super().__init__(params, {"lr": lr, "momentum": momentum, "weight_decay": weight_decay, "ns_steps": ns_steps})
-        self.ns_dtype = ns_dtype or newton_schulz_dtype()
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        for group in self.param_groups:
-            lr, momentum = group["lr"], group["momentum"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                if p.grad.dim() != 2:
-                    raise ValueError(f"Muon updates 2-D weights only, got a gradient of shape {tuple(p.grad.shape)}")
-                state = self.state[p]
-                if "momentum_buffer" not in state:
-                    state["momentum_buffer"] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
-                buf = state["momentum_buffer"]
-                buf.lerp_(p.grad, 1 - momentum)  # buf = momentum * buf + (1 - momentum) * grad
-                update = newton_schulz(p.grad.lerp(buf, momentum), group["ns_steps"], self.ns_dtype)  # Nesterov
-                p.mul_(1 - lr * group["weight_decay"])
-                p.add_(update, alpha=-lr * math.sqrt(max(1, p.shape[0] / p.shape[1])))
-
-
-class MuonAdamW(torch.optim.Optimizer):
-    """Muon for the groups marked ``"muon": True``, AdamW for the others, behind one optimizer (one ``step``,
-    one ``state_dict``, so ``accelerator.prepare``, gradient accumulation and exact resume work unchanged).
-
-    ``Muon`` replaces each 2-D weight's momentum-SGD update by its nearest semi-orthogonal matrix (5
-    Newton-Schulz iterations), scaled by ``sqrt(max(1, rows / cols))``; nanochat and the modded-nanogpt speedrun
-    train the hidden matrices with it and the embeddings, head and gains with AdamW, as here. Both inner optimizers share this object's
-    ``param_groups`` and ``state``, so ``set_lr`` and ``lr_scale`` apply to both.
-    """
-
-    def __init__(self, groups: list[dict], lr: float, betas=(0.9, 0.95), muon_momentum: float = 0.95):
-        adam_groups = [g for g in groups if not g.get("muon")]
-        muon_groups = [g for g in groups if g.get("muon")]
-        self._adamw = torch.optim.AdamW(adam_groups, lr=lr, betas=betas, eps=1e-8, fused=True)
-        self._muon = Muon(muon_groups, lr=lr, momentum=muon_momentum) if muon_groups else None
-        self._num_adam_groups = len(adam_groups)
-        super().__init__(self._adamw.param_groups + (self._muon.param_groups if self._muon else []), {})
-        self._share()
-
-    def _share(self):
-        """Point both inner optimizers at this object's groups and state (again after ``load_state_dict``)."""
-        self._adamw.param_groups = self.param_groups[:self._num_adam_groups]
-        self._adamw.state = self.state
-        if self._muon is not None:
-            self._muon.param_groups = self.param_groups[self._num_adam_groups:]
-            self._muon.state = self.state
-
-    def load_state_dict(self, state_dict):
-        super().load_state_dict(state_dict)
-        self._share()
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        self._adamw.step()
-        if self._muon is not None:
-            self._muon.step()
-
-
-def lr_at(step: int, peak: float, warmup_steps: int, total_steps: int, min_ratio: float = 0.1) -> float:
-    """Learning rate for optimizer step ``step`` (0-based): linear warm-up to ``peak`` over ``warmup_steps``,
-    then cosine decay to ``min_ratio * peak`` at ``total_steps``."""
-    if step < warmup_steps:
-        return peak * (step + 1) / warmup_steps
-    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
-    return peak * (min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
-
-
-def set_lr(optimizer, lr: float) -> None:
-    """Set every parameter group's learning rate to ``lr``, times the group's ``"lr_scale"`` if it has one (a new
-    head can learn faster than the pretrained body it sits on)."""
-    for group in optimizer.param_groups:
-        group["lr"] = lr * group.get("lr_scale", 1.0)
-
-
-class BatchSchedule:
-    """Deterministic data order: epoch ``e`` visits the examples in ``randperm(n)`` seeded by ``seed + e``.
-
-    Global step ``s`` consumes ``batch_size * accumulation * num_processes`` consecutive examples of that endless
-    stream; micro-batch ``m`` of process ``r`` takes its own consecutive ``batch_size`` of them.
-    """
-
-    def __init__(self, num_examples: int, batch_size: int, accumulation: int, num_processes: int, seed: int):
-        if num_examples <= 0:
-            raise UserError("the training set is empty; check the data files")
-        self.n, self.b, self.acc, self.world, self.seed = num_examples, batch_size, accumulation, num_processes, seed
-        self._epoch, self._perm = None, None
-
-    @property
-    def global_batch_size(self) -> int:
-        return self.b * self.acc * self.world
-
-    def indices(self, step: int, micro: int, rank: int) -> list[int]:
-        first = step * self.global_batch_size + (micro * self.world + rank) * self.b
-        return [self._example(k) for k in range(first, first + self.b)]
-
-    def _example(self, k: int) -> int:
-        epoch, pos = divmod(k, self.n)
-        if epoch != self._epoch:
-            generator = torch.Generator().manual_seed(self.seed + epoch)
-            self._epoch, self._perm = epoch, torch.randperm(self.n, generator=generator).tolist()
-        return self._perm[pos]
 
 
 def save_training_state(state_dir: str, optimizer, trainer_state: dict, rng_states) -> None:
@@ -512,23 +275,6 @@ def evaluate_lm(model, examples, collate, batch_size: int, accelerator) -> float
     total = accelerator.reduce(total, reduction="sum") if accelerator.num_processes > 1 else total
     model.train(was_training)
     return (total[0] / total[1].clamp(min=1)).item()
-
-
-def spread_subset(n: int, k: int) -> list[int]:
-    """``min(n, k)`` indices spread evenly over ``range(n)`` (a fixed evaluation subset)."""
-    k = min(n, k)
-    return [i * n // k for i in range(k)]
-
-
-def markdown_table(headers, rows) -> str:
-    """A Markdown table: one header row, then one row per item of ``rows`` (each a sequence of cells).
-    ``|`` is escaped and newlines become ``<br>``, so every cell stays in its column."""
-    def cell(value) -> str:
-        return str(value).replace("|", "\\|").replace("\n", "<br>")
-
-    lines = ["| " + " | ".join(map(cell, headers)) + " |", "|" + "---|" * len(headers)]
-    lines += ["| " + " | ".join(map(cell, row)) + " |" for row in rows]
-    return "\n".join(lines) + "\n"
 
 
 class StageRun:

@@ -62,8 +62,6 @@ class SentimentJudge:
         return [float(self._classify(text)) for text in texts]
 
 
-# --- monitors: pure functions of the response token ids ---------------------------------------------------------
-
 def distinct_n(responses, n: int = 2) -> float:
     """Distinct-n (Li et al. 2016): the number of different n-grams over the number of n-grams, pooled over all
     ``responses`` (lists of token ids). 1.0 means no n-gram is ever repeated, in a response or across responses;
@@ -147,8 +145,6 @@ def best_of_n_kl(n: int) -> float:
     an upper bound, Beirami et al. 2024): 0 for n = 1, 1.20 for n = 8."""
     return math.log(n) - (n - 1) / n
 
-
-# --- the flag ------------------------------------------------------------------------------------------------
 
 def reward_hacking_flag(before: dict, after: dict, kl_limit: float) -> str:
     """"reward hacking suspected: <reasons>." from the held-out monitors (``summarize`` dicts) of the SFT policy

@@ -14,11 +14,17 @@ import signal
 import sys
 import threading
 
+from chinese_tokenizer import TokenizerError
 from gpt_model import PRESETS
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 class UserError(Exception):
     """Bad input from the user; the message says what is wrong, where, and what to do."""
+
+
+USER_ERRORS = (UserError, TokenizerError)  # what ``run`` prints as one line: the tokenizer's errors are the user's too
 
 
 # what ``run`` adds to its "stopped by SIGINT" line, set by a stage once something is saved that --resume continues
@@ -40,7 +46,7 @@ def run(main, argv=None) -> None:
     old = signal.signal(signal.SIGTERM, stop) if main_thread else None
     try:
         code = main(argv)
-    except UserError as e:
+    except USER_ERRORS as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt as e:
@@ -167,8 +173,9 @@ def stage_parser(description: str, output_dir: str, defaults: dict, steps: str =
 
 
 def default_path(*parts: str) -> str:
-    """A path relative to the repository (this file's folder), shown relative to the working directory."""
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), *parts)
+    """A path relative to the repository (the folder above this package), shown relative to the working
+    directory."""
+    path = os.path.join(REPO_ROOT, *parts)
     try:
         return os.path.relpath(path)
     except ValueError:  # another drive on Windows

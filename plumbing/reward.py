@@ -1,23 +1,25 @@
-"""Scoring text with a reward model, and the objectives that train one (used by 2-RM.py, 3-PPO.py, generate.py).
+"""Scoring text with a reward model (2-RM.py, the aligners, generate.py, serve.py), and the one rule that counts a
+pair as ranked right.
 
 A reward model (``gpt_model.RewardModel``) reads a (prompt, response) pair laid out by the one chat template,
 ``[CLS] prompt [ANS] response [SEP]``, and answers with one number: the value of its scalar head at the sequence's
 last real token. That is exactly the layout PPO generates, so the reward model scores what the policy writes.
 
 * ``score_texts``: rewards for many (prompt, response) pairs, in right-padded batches.
-* ``pairwise_loss``: the Bradley–Terry loss ``-log sigmoid(r_chosen - r_rejected)`` (Bradley & Terry 1952; the
-  reward-model loss of InstructGPT, Ouyang et al. 2022, section 3.5).
-* ``pointwise_loss``: binary cross-entropy with the reward as the logit, for texts labelled good (1) / bad (0).
-* ``pair_metrics``: loss, accuracy (how often the chosen side scores higher) and mean margin over pairs.
+* ``pairs_ranked_right``: how many (chosen, rejected) pairs score the chosen side higher, a tie counting half: the
+  pair accuracy of the reward model (2-RM.py), of DPO's implicit reward (3-DPO.py) and of the naive Bayes
+  baseline (``baselines.py``), so the three figures on the report card are counted alike.
+
+The RM's training objectives (the Bradley–Terry pairwise loss and the pointwise one) are part of its story and
+stay in 2-RM.py.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from chinese_tokenizer import apply_chat_template
-from corpus import pad_right
+from plumbing.batching import pad_right
 
 
 @torch.no_grad()
@@ -61,28 +63,10 @@ def score_texts(model, tokenizer, prompts, responses, batch_size: int = 32, max_
     return scores
 
 
-def pairwise_loss(r_chosen, r_rejected):
-    """Mean of ``-log sigmoid(r_chosen - r_rejected)`` over (N,) rewards, in float32.
-
-    It is the negative log-likelihood of the preference under the Bradley–Terry model
-    ``P(chosen beats rejected) = sigmoid(r_chosen - r_rejected)``: log 2 = 0.693 when the two score the same,
-    towards 0 as the margin grows. ``logsigmoid`` stays finite for large negative margins.
-    """
-    return -F.logsigmoid((r_chosen - r_rejected).float()).mean()
-
-
-def pointwise_loss(rewards, labels):
-    """Binary cross-entropy of (N,) rewards used as logits against (N,) labels 1 (good) / 0 (bad), in float32."""
-    return F.binary_cross_entropy_with_logits(rewards.float(), labels.float())
-
-
-def pair_metrics(r_chosen, r_rejected) -> dict:
-    """``{"loss", "accuracy", "margin"}`` over (N,) rewards of N pairs.
-
-    accuracy: the fraction of pairs with ``r_chosen > r_rejected`` (a tie counts as wrong);
-    margin: the mean of ``r_chosen - r_rejected``; loss: ``pairwise_loss``.
-    """
-    r_chosen, r_rejected = torch.as_tensor(r_chosen).float(), torch.as_tensor(r_rejected).float()
-    diff = r_chosen - r_rejected  # (N,)
-    return {"loss": pairwise_loss(r_chosen, r_rejected).item(), "accuracy": (diff > 0).float().mean().item(),
-            "margin": diff.mean().item()}
+def pairs_ranked_right(chosen, rejected):
+    """How many of N pairs rank the chosen side above the rejected one: ``(N,)`` scores of each side (tensors or
+    lists) -> a 0-d float64 tensor. A tie counts half, the expected count of a coin toss between the two: a
+    scorer that cannot tell the sides apart (DPO's policy at step 0, which is its own reference) gets N / 2,
+    chance, not 0. This is the rule of the all-pairs AUC (Mann-Whitney) restricted to the given pairs."""
+    chosen, rejected = torch.as_tensor(chosen, dtype=torch.float64), torch.as_tensor(rejected, dtype=torch.float64)
+    return (chosen > rejected).sum(dtype=torch.float64) + 0.5 * (chosen == rejected).sum(dtype=torch.float64)

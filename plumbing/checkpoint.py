@@ -28,8 +28,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_model, save_model
 
 from chinese_tokenizer import load_tokenizer
-from cli import UserError
 from gpt_model import GPTConfig, GPTModel, RewardModel, unwrap_compiled
+from plumbing.cli import UserError
 
 MODEL_FILE, CONFIG_FILE, TOKENIZER_DIR, STATE_DIR = "model.safetensors", "config.json", "tokenizer", "state"
 MODEL_TYPES = {"gpt": GPTModel, "reward": RewardModel}
@@ -95,7 +95,7 @@ def save_checkpoint(output_dir: str, model, tokenizer, meta: dict, write_state=N
             write(os.path.join(tmp, name))
         if write_state is not None:
             write_state(os.path.join(tmp, STATE_DIR))
-        _replace_dir(tmp, output_dir)
+        replace_dir(tmp, output_dir)
     except OSError as e:
         raise UserError(f"could not write checkpoint {output_dir}: {e.strerror or e}; free some disk space or "
                         f"choose another --output_dir (the previous checkpoint is unchanged)") from e
@@ -104,7 +104,7 @@ def save_checkpoint(output_dir: str, model, tokenizer, meta: dict, write_state=N
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _replace_dir(new: str, target: str) -> None:
+def replace_dir(new: str, target: str) -> None:
     """Put directory ``new`` at ``target``; an old ``target`` is moved aside first and removed only afterwards.
 
     ``new`` and everything in it first get the modes the user's umask gives new files: ``mkdtemp`` makes the

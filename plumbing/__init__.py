@@ -1,0 +1,18 @@
+"""The plumbing of the pipeline: everything two or more of the scripts at the root share, one module per idea.
+
+The scripts at the root tell the story (the numbered stages, and the commands generate.py, serve.py, pipeline.py,
+load_weight.py); gpt_model.py (the model) and chinese_tokenizer.py (the tokenizer and the chat template) sit below
+everything. These modules import the model, the tokenizer and each other, never a stage or a command
+(tests/test_layout.py reads the import graph and holds that rule).
+
+Command line and files:   cli (user errors, shared flags), checkpoint (the hand-off between stages)
+Data:                     records (reading and checking data files), documents (pretraining text streams),
+                          token_cache (tokenized once to disk, packed into blocks), batching (padding, chat
+                          examples, the data order)
+Training:                 devices (precision and device), optimizers (AdamW, Muon, the schedule),
+                          training (StageRun and the loop's pieces)
+Alignment and judging:    reward (scoring with an RM, the pair-accuracy rule), alignment (sampling, log-probs, the
+                          held-out monitors), judge (the independent judge and the monitors), baselines (counting)
+Inference and export:     inference (loading a model to answer with), hf_weights (Hugging Face GPT-2 in and out)
+Reporting:                report (the report card and the Markdown table helper)
+"""

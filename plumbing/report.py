@@ -1,0 +1,266 @@
+"""The report card of ``pipeline.py`` (reports/report.md), one function per section, and the table helper every
+Markdown table of the project is built with (``markdown_table``: samples.md files too).
+
+* ``stage_table`` and ``notes_section``: each stage's wall time, tokens/s and final metrics beside the counting
+  baseline it must beat, and what the baselines are;
+* ``held_out_section``: the four ways to align the SFT model side by side on the held-out prompts, with the
+  reward-hacking flags;
+* ``curves_section`` and ``answers_section``: the curves, and the same prompts answered by every model;
+* ``write_report``: all of them, in that order.
+
+It reads the checkpoints' ``config.json`` and ``metrics.jsonl``; it runs nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+
+from chinese_tokenizer import encode, load_tokenizer
+from plumbing.cli import default_path
+from plumbing.judge import distinct_n, longest_repeat, reward_hacking_flag
+
+
+def markdown_table(headers, rows) -> str:
+    """A Markdown table: one header row, then one row per item of ``rows`` (each a sequence of cells).
+    ``|`` is escaped and newlines become ``<br>``, so every cell stays in its column."""
+    def cell(value) -> str:
+        return str(value).replace("|", "\\|").replace("\n", "<br>")
+
+    lines = ["| " + " | ".join(map(cell, headers)) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(map(cell, row)) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+ALIGNED = ("ppo", "dpo", "grpo")  # the three alignment stages, each from the SFT model, measured alike
+ANSWERING = ("pretrain", "sft") + ALIGNED  # the models that answer the report's prompts
+# prompts answered by every model in the report: two review-writing tasks, a 歇后语, a definition, free text
+REPORT_PROMPTS = ["写一条好评：", "写一条以“房间”开头的好评。", "歇后语：外甥打灯笼", "请解释一下“明月”这个词。",
+                  "今天天气很好，"]
+BEST_OF = (4, 16)  # best-of-n from the SFT model, from one run of 16 samples: the no-training baselines
+# How the report's answers are decoded. Greedy decoding makes any small model loop ("国国国…"), so the answers are
+# sampled: temperature 0.7 with nucleus (top-p 0.9, Holtzman et al. 2020) and CTRL's repetition penalty (Keskar et
+# al. 2019) at a mild 1.1, one sample per prompt with generate.py's fixed --seed, so a rerun gives the same answers.
+REPORT_DECODING = {"temperature": 0.7, "top_k": 0, "top_p": 0.9, "repetition_penalty": 1.1}
+
+
+def fmt(value, spec: str = ".3f") -> str:
+    """A number for a table, or "—" when there is none."""
+    return "—" if value is None else format(value, spec)
+
+
+def read_json(path):
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def read_rows(path):
+    if not os.path.isfile(path):
+        return []
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def tokens_per_second(rows) -> float | None:
+    """Training tokens per second from the last metrics row that records both counters."""
+    for row in reversed(rows):
+        if row.get("tokens_seen") and row.get("time_s"):
+            return row["tokens_seen"] / row["time_s"]
+    return None
+
+
+def held_out_section(metrics: dict, best_of_n: dict | None = None, times: dict | None = None) -> list[str]:
+    """Markdown lines: SFT, best-of-n, PPO, DPO and GRPO on the held-out prompts (each alignment stage's final
+    monitors in ``metrics[stage]``, best-of-n from ``generate.py --monitors``), each stage's wall time from
+    ``times``, then the reward-hacking flags. Nothing if no stage recorded held-out monitors."""
+    aligned = [stage for stage in ALIGNED if metrics.get(stage, {}).get("held_out")]
+    if not aligned:
+        return []
+    times = times or {}
+    settings = metrics.get("ppo", {}).get("held_out_settings", {})
+    sft = metrics[aligned[0]]["held_out"]["sft"]
+    rows = [("SFT", sft, f"{sft['kl']:.2f}", "—")]
+    best_of_n = best_of_n or {}
+    first = best_of_n.get("1")  # best-of-n's own starting point: the first of the same samples, no RM
+    for n in [1] * (first is not None) + list(BEST_OF if best_of_n else ()):
+        m = best_of_n[str(n)]
+        rows.append((f"best-of-{n} (SFT + RM)" if n > 1 else "best-of-1 (SFT, its first sample)", m,
+                     f"≤ {m['kl_bound']:.2f}",
+                     f"{times['best_of_n']:.0f} s (one run of {max(BEST_OF)})" if "best_of_n" in times else "—"))
+    for stage in aligned:
+        m = metrics[stage]["held_out"][stage]
+        rows.append((stage.upper(), m, f"{m['kl']:.2f} ± {m['kl_se']:.2f}",
+                     f"{times[stage]:.0f} s" if stage in times else "—"))
+    lines = ["## Four ways to align the SFT model (best-of-n, PPO, DPO, GRPO), on held-out prompts", "",
+             f"{len(settings.get('prompts', []))} prompts × {settings.get('samples_per_prompt', '?')} samples at "
+             f"temperature {settings.get('temperature', '?')}, up to {settings.get('max_new_tokens', '?')} tokens; "
+             f"SFT, PPO, DPO and GRPO on the same draws of randomness. Best-of-n trains nothing: the RM keeps the "
+             f"best of n answers that generate.py samples from the SFT model, one kept per prompt (so its standard "
+             f"errors are wider); its best-of-1 row is the first of the same samples, what best-of-n starts from. "
+             f"The RM is the one PPO and GRPO maximise; DPO learnt from the RM's training pairs "
+             f"instead. Judge: snownlp's sentiment naive Bayes, P(positive), mean ± standard error, a model none "
+             f"of them saw (see notes/judge.md for what it cannot tell). KL to SFT in nats per response, estimated "
+             f"from the samples (the sum of log π/π_SFT over each answer's tokens, so a policy close to SFT can show "
+             f"a little below 0); best-of-n's is the bound log n - (n - 1)/n. Wall time is the whole stage; when "
+             f"the stages run in the pipeline's own process (the default --launch), the first of them also loads "
+             f"the judge and measures the SFT policy (about 10 s on the demo), which the ones after it reuse.", "",
+             "| model | RM score | judge | KL | distinct-2 | longest run | ends with [SEP] | mean length | wall time |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for name, m, kl, wall in rows:
+        lines.append(f"| {name} | {m['rm_score']:.3f} ± {m['rm_score_se']:.3f} | {m['judge']:.3f} ± "
+                     f"{m['judge_se']:.3f} | {kl} | {m['distinct_2']:.3f} | {m['longest_run']:.1f} | "
+                     f"{m['eos_share']:.0%} | {m['length']:.1f} | {wall} |")
+    lines.append("")
+    kl_limit = metrics[aligned[0]].get("kl_limit", "?")
+    no_sign = ("no sign of reward hacking: none of the RM up with the judge down, repetition collapsing, fewer "
+               "answers ending, KL past {} nats")
+    for n in BEST_OF if best_of_n else ():
+        m = best_of_n[str(n)]  # judged against its own first samples where there are, else against the SFT row
+        flag = reward_hacking_flag(first or sft, {**m, "kl": m["kl_bound"]},
+                                   kl_limit if isinstance(kl_limit, (int, float)) else math.inf)
+        lines.append(f"- best-of-{n}: " + (f"**{flag}**" if flag else no_sign.format(kl_limit) +
+                                           (", against best-of-1." if first is not None else ".")))
+    for stage in aligned:
+        differs = abs(metrics[stage]["held_out"]["sft"]["rm_score"] - sft["rm_score"]) > 1e-3
+        flag = metrics[stage].get("reward_hacking")
+        lines.append(f"- {stage.upper()}: " + (f"**{flag}**" if flag else
+                     no_sign.format(metrics[stage].get('kl_limit', '?')) + ".") +
+                     (" (Its SFT measurement differs from the table's: the stages' held-out settings differ.)"
+                      if differs else ""))
+    return lines + [""]
+
+
+def aligned_summary(stage: str, metrics: dict, fmt, first_row: dict | None = None) -> str:
+    """The stage table's cell for an alignment stage: held-out RM score and judge, SFT -> the stage, and KL (and
+    DPO's implicit-reward accuracy on its val pairs, from the step-0 row ``first_row`` to the end)."""
+    held = metrics.get("held_out", {})
+    sft, aligned = held.get("sft", {}), held.get(stage, {})
+    start = (first_row or {}).get("val_accuracy")
+    pairs = (f"val implicit-reward accuracy {fmt(start) + ' → ' if start is not None else ''}"
+             f"{fmt(metrics.get('val_accuracy'))}; ") if stage == "dpo" else ""
+    return (f"{pairs}held-out RM score {fmt(sft.get('rm_score'))} (SFT) → {fmt(aligned.get('rm_score'))}, judge "
+            f"{fmt(sft.get('judge'))} → {fmt(aligned.get('judge'))}, KL {fmt(metrics.get('kl'), '.2f')} nats/response")
+
+
+def stage_table(preset: str, launch: str, times: dict, records: dict, baselines: dict) -> list[str]:
+    """Markdown lines: one row per step of the pipeline (wall time, training tokens/s, final metrics beside the
+    counting baseline each one bounds), then the precision line. ``records``: ``read_records``."""
+    m, b = {stage: r["metrics"] for stage, r in records.items()}, baselines
+
+    def speed(stage):
+        return fmt(tokens_per_second(records[stage]["rows"]), ",.0f")
+
+    rows = [("data/prepare.py", f"{times['data']:.0f} s", "—",
+             f"{'already built; ' if times['data'] < 1 else ''}see data/MANIFEST.json"),
+            ("counting baselines", f"{times.get('baselines', 0):.0f} s", "—",
+             "token bigram, response bigram and naive Bayes (`baselines.py`), fitted on the train splits; each is "
+             "shown beside the figure it bounds, and explained under the table"),
+            ("0-PRETRAIN", f"{times['pretrain']:.0f} s", speed("pretrain"),
+             f"val loss {fmt(m['pretrain'].get('val_loss'))} (counting baseline: token bigram "
+             f"{fmt(b.get('bigram_val_loss'))}), perplexity {fmt(m['pretrain'].get('val_perplexity'), '.1f')}"),
+            ("1-SFT", f"{times['sft']:.0f} s", speed("sft"),
+             f"val response loss {fmt(m['sft'].get('val_loss'))} (pretrained model: "
+             f"{fmt(m['sft'].get('val_loss_before_sft'))}; counting baseline: response bigram "
+             f"{fmt(b.get('response_bigram_val_loss'))})"),
+            ("2-RM", f"{times['rm']:.0f} s", speed("rm"),
+             f"test accuracy {fmt(m['rm'].get('test_accuracy'))} (counting baseline: naive Bayes "
+             f"{fmt(b.get('naive_bayes_test_accuracy'))}), test margin {fmt(m['rm'].get('test_margin'))}"),
+            *[(f"3-{stage.upper()}", f"{times[stage]:.0f} s", "—",
+               aligned_summary(stage, m[stage], fmt, (records[stage]["rows"] or [{}])[0])) for stage in ALIGNED],
+            ("generation", f"{times['generate']:.0f} s", "—",
+             f"{len(ANSWERING)} models × {len(REPORT_PROMPTS)} prompts"),
+            ("best-of-n", f"{times.get('best_of_n', 0):.0f} s", "—",
+             f"{max(BEST_OF)} samples per held-out prompt from the SFT model, scored by the RM")]
+    precisions = sorted({r["config"].get("mixed_precision", "no") for r in records.values()})
+    return [f"# Report card — preset `{preset}`", "", f"Data: `data/MANIFEST.json`. Launch: `{launch}`.", "",
+            markdown_table(("stage", "wall time", "tokens/s", "final metrics"), rows).rstrip("\n"), "",
+            f"Precision: {', '.join(precisions)} autocast (`--mixed_precision`; bf16 where the CPU or GPU computes it "
+            f"natively).", ""]
+
+
+BASELINES_EXPLAINED = (
+    "Counting baselines, computed by the pipeline on the same splits: the *token bigram* is the cross-entropy of an "
+    "interpolated Kneser–Ney bigram fitted on `data/pretrain/train.jsonl` (each token predicted from the one before "
+    "it alone); a pretrained model that does not beat it has learnt no more than which token tends to follow which. "
+    "The *response bigram* is the same kind of bigram fitted on the SFT training responses only and scored on the "
+    "same val response tokens as SFT's loss; a fine-tuned model that does not beat it answers no better than a table "
+    "of which token follows which in answers. The *naive Bayes* is a character uni+bigram classifier fitted on the "
+    "RM's training pairs (chosen = good, rejected = bad); a reward model that does not beat it ranks answers no "
+    "better than counting their characters.")
+TINY_WARNING = (
+    "**The `tiny` preset is a smoke test**: a 2-layer, 32-wide model trained for a few dozen steps, which the tests "
+    "use to run every stage in seconds. Its figures are not meant to beat the baselines, and they do not; run the "
+    "`demo` preset (`make pipeline`) for a report card whose numbers mean something.")
+
+
+def notes_section(preset: str, kept) -> list[str]:
+    """Markdown lines under the stage table: which stages ``--resume`` kept, what the baselines are, and the tiny
+    preset's warning."""
+    lines = [f"Kept from the earlier run by `--resume`: {', '.join(kept)}; their wall times are their training "
+             f"loops' in that run.", ""] if kept else []
+    lines += [BASELINES_EXPLAINED, ""]
+    return lines + ([TINY_WARNING, ""] if preset == "tiny" else [])
+
+
+def curves_section(checkpoints: dict, report_dir: str) -> list[str]:
+    """Markdown lines: every stage's curves, each PNG copied next to the report as ``<stage>-<name>``."""
+    lines = ["## Curves", ""]
+    for stage, folder in checkpoints.items():
+        for name in sorted(os.listdir(folder)):
+            if name.endswith(".png"):
+                shutil.copy2(os.path.join(folder, name), os.path.join(report_dir, f"{stage}-{name}"))
+                lines.append(f"![{stage}]({stage}-{name})")
+    return lines
+
+
+MODEL_NAMES = {"pretrain": "pretrain", "sft": "SFT", "ppo": "PPO", "dpo": "DPO", "grpo": "GRPO"}
+
+
+def answers_section(answers: dict, tokenizer) -> list[str]:
+    """Markdown lines: the report's prompts answered by every model of ``ANSWERING`` (``answers[stage]``: rows of
+    ``generate.py --prompts_file``), each with its RM score, distinct-2 and longest repeated run."""
+    d = REPORT_DECODING
+    decoding = f"temperature {d['temperature']}, top-p {d['top_p']}, repetition penalty {d['repetition_penalty']}"
+    rows = []
+    for i, prompt in enumerate(REPORT_PROMPTS):
+        for j, stage in enumerate(ANSWERING):
+            row = answers[stage][i] if i < len(answers[stage]) else {}
+            text = str(row.get("response", ""))
+            ids = encode(text, tokenizer)
+            rows.append((prompt if j == 0 else "", MODEL_NAMES[stage], text.replace("\n", " "),
+                         fmt(row.get("score"), ".2f"), f"{distinct_n([ids]):.2f}", longest_repeat(ids)))
+    return ["", f"## The same prompts, {len(ANSWERING)} models", "",
+            f"One sample per prompt and model ({decoding}; seed 1234), up to 48 tokens. Beside each answer: its RM "
+            f"score, its distinct-2 (d-2: different token pairs / token pairs; 1 = no pair repeated) and its "
+            f"longest repeated run in tokens (one n-gram written again and again back to back; 0 = none). "
+            f"Distinct-2 under 0.5 or a run over 8 is degenerate text, whatever its score.", "",
+            markdown_table(("prompt", "model", "answer", "RM", "d-2", "run"), rows).rstrip("\n")]
+
+
+def read_records(checkpoints: dict) -> dict:
+    """``{stage: {"config", "metrics", "rows"}}`` of every checkpoint folder in ``checkpoints`` ({stage: folder}):
+    its config.json, the final metrics in it and its metrics.jsonl rows."""
+    records = {}
+    for stage, folder in checkpoints.items():
+        config = read_json(os.path.join(folder, "config.json"))
+        records[stage] = {"config": config, "metrics": config.get("metrics", {}),
+                          "rows": read_rows(os.path.join(folder, "metrics.jsonl"))}
+    return records
+
+
+def write_report(report_dir: str, checkpoints: dict, preset: str, launch: str, times: dict, answers: dict,
+                 best_of_n=None, baselines=None, kept=()) -> str:
+    """``report_dir/report.md``, section after section: the stage table, the notes under it, the held-out comparison
+    of the aligners, the curves and the answers table (``kept``: the stages that ``--resume`` kept from the earlier
+    run). Returns the Markdown."""
+    records = read_records(checkpoints)
+    metrics = {stage: r["metrics"] for stage, r in records.items()}
+    lines = (stage_table(preset, launch, times, records, baselines or {}) + notes_section(preset, kept)
+             + held_out_section(metrics, best_of_n, times) + curves_section(checkpoints, report_dir)
+             + answers_section(answers, load_tokenizer(default_path("data", "tokenizer"))))
+    report = "\n".join(lines) + "\n"
+    with open(os.path.join(report_dir, "report.md"), "w", encoding="utf-8") as f:
+        f.write(report)
+    return report

@@ -1,0 +1,113 @@
+"""The layout of the house, checked against the real files: the story at the root, the plumbing in one package, and
+imports that point down (stages and commands -> plumbing -> the model and the tokenizer), with no circle."""
+
+import ast
+
+from conftest import REPO_ROOT
+
+STAGES = {"0-PRETRAIN", "1-SFT", "2-RM", "3-PPO", "3-DPO", "3-GRPO"}
+COMMANDS = {"generate", "serve", "pipeline", "load_weight"}
+BELOW = {"gpt_model", "chinese_tokenizer"}  # what the package may import from the root
+MAX_ROOT_FILES = 12
+
+
+def module_files(root=REPO_ROOT) -> dict:
+    """{module name: path} of the root's .py files ("gpt_model", "3-PPO") and the package's ("plumbing.cli")."""
+    files = {p.stem: p for p in root.glob("*.py")}
+    files.update({f"plumbing.{p.stem}": p for p in (root / "plumbing").glob("*.py") if p.stem != "__init__"})
+    return files
+
+
+def imported_modules(path, known) -> set:
+    """The modules of ``known`` that the file imports anywhere (also inside functions): ``from plumbing.x import y``
+    and ``from plumbing import x`` give "plumbing.x", ``import gpt_model`` gives "gpt_model"."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.add(node.module)
+            found |= {f"{node.module}.{a.name}" for a in node.names}
+    return found & set(known)
+
+
+def import_graph(root=REPO_ROOT) -> dict:
+    """{module: the project modules it imports} over the root and the package."""
+    files = module_files(root)
+    return {name: imported_modules(path, files) - {name} for name, path in files.items()}
+
+
+def find_cycle(graph: dict) -> list | None:
+    """One import circle as a list of modules (first == last), or None; depth-first search."""
+    state, path = {}, []
+
+    def visit(node):
+        state[node] = "open"
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == "open":
+                return path[path.index(nxt):] + [nxt]
+            if nxt not in state and (cycle := visit(nxt)):
+                return cycle
+        state[node] = "done"
+        path.pop()
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+def test_cycle_finder_by_hand():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"x": {"y"}, "y": {"y2"}, "y2": {"y"}}) == ["y", "y2", "y"]
+
+
+def test_import_reader_sees_every_form(tmp_path):
+    """A lazy import inside a function counts, and so does each form of importing a package module."""
+    (tmp_path / "plumbing").mkdir()
+    for name in ("a", "b", "c"):
+        (tmp_path / "plumbing" / f"{name}.py").write_text("", encoding="utf-8")
+    (tmp_path / "gpt_model.py").write_text("", encoding="utf-8")
+    (tmp_path / "cmd.py").write_text("from plumbing import a\nimport gpt_model\n\ndef f():\n"
+                                     "    from plumbing.b import x\n", encoding="utf-8")
+    (tmp_path / "plumbing" / "c.py").write_text("import cmd\n", encoding="utf-8")
+    graph = import_graph(tmp_path)
+    assert graph["cmd"] == {"plumbing.a", "plumbing.b", "gpt_model"}
+    assert graph["plumbing.c"] == {"cmd"}  # the package importing a command: what the test below refuses
+    (tmp_path / "plumbing" / "a.py").write_text("from plumbing import c\n", encoding="utf-8")
+    assert find_cycle(import_graph(tmp_path)) == ["cmd", "plumbing.a", "plumbing.c", "cmd"]
+
+
+def test_the_root_holds_the_story_and_the_commands_only():
+    root = {p.stem for p in REPO_ROOT.glob("*.py")}
+    assert root == STAGES | COMMANDS | BELOW, f"unexpected files at the root: {sorted(root - STAGES - COMMANDS - BELOW)}"
+    assert len(root) <= MAX_ROOT_FILES
+
+
+def test_the_package_imports_no_stage_and_no_command():
+    graph = import_graph()
+    assert "plumbing.training" in graph["3-PPO"]  # the graph really was read
+    for name, imports in graph.items():
+        if name.startswith("plumbing."):
+            wrong = {m for m in imports if not m.startswith("plumbing.") and m not in BELOW}
+            assert not wrong, f"{name} imports {sorted(wrong)}: the package may import only itself, {sorted(BELOW)}"
+
+
+def test_no_command_or_stage_imports_another():
+    graph = import_graph()
+    for name in STAGES | COMMANDS:
+        wrong = graph[name] & (STAGES | COMMANDS)
+        assert not wrong, f"{name} imports {sorted(wrong)}: a command runs another (pipeline.load_stage), never imports it"
+
+
+def test_the_model_and_the_tokenizer_sit_below_everything():
+    graph = import_graph()
+    assert graph["gpt_model"] == set()
+    assert graph["chinese_tokenizer"] == set()
+
+
+def test_no_module_imports_another_in_a_circle():
+    assert find_cycle(import_graph()) is None
