@@ -24,20 +24,15 @@ import torch.nn.functional as F
 
 from chinese_tokenizer import apply_chat_template, load_tokenizer
 from plumbing.alignment import (
+    HeldOut,
     add_held_out_arguments,
-    as_val_row,
-    describe,
-    from_val_row,
-    held_out_monitors,
     load_policy_and_reward,
     read_val_prompts,
-    record_held_out,
     sequence_logprobs,
 )
 from plumbing.batching import BatchSchedule, chat_example, collate_chat, length_grouped_batches, spread_subset
 from plumbing.checkpoint import check_output_dir
 from plumbing.cli import UserError, default_path, fill_defaults, positive_float, positive_int, run, stage_parser
-from plumbing.judge import SentimentJudge
 from plumbing.optimizers import make_optimizer
 from plumbing.records import read_preference_pairs
 from plumbing.reward import pairs_ranked_right
@@ -184,17 +179,8 @@ def main(argv=None):
                      {**parent, "beta": args.beta, "loss": args.loss},
                      plot=("curves.png", ["train_loss", "val_loss", "val_accuracy", "val_margin"]))
 
-    judge, val_prompts = SentimentJudge(), read_val_prompts(args)
-
-    def held_out(tag):
-        """The monitors PPO and GRPO report, on the same held-out prompts and draws: what DPO did to the answers."""
-        policy.eval()
-        with accelerator.autocast():
-            monitors, examples = held_out_monitors(stage.saved, ref, reward_model, judge, val_prompts, tokenizer,
-                                                   args, context_length, accelerator.device, args.seed)
-        policy.train()
-        stage.print(f"{tag} on {len(val_prompts)} held-out prompts x {args.eval_samples}: {describe(monitors)}")
-        return monitors, examples
+    # the monitors PPO and GRPO report, on the same held-out prompts and draws: what DPO did to the answers
+    held_out = HeldOut(stage, stage.saved, ref, reward_model, read_val_prompts(args), tokenizer, args, context_length)
 
     def evaluate_and_print() -> dict:
         result = {f"val_{k}": v for k, v in evaluate(policy, ref, val, args, accelerator).items()}
@@ -203,9 +189,8 @@ def main(argv=None):
         return result
 
     # --- the loop ------------------------------------------------------------------------------------------------
-    if stage.step == 0:  # the SFT model itself: policy == reference, so loss log 2, margin 0, no pair won yet
-        stage.log({**evaluate_and_print(), **as_val_row(held_out("SFT policy")[0])})
-    sft = {k: v for k, v in from_val_row(stage.metrics.rows[0]).items() if k not in ("loss", "accuracy", "margin")}
+    # step 0, the SFT model itself: policy == reference, so loss log 2, margin 0, every pair a tie (accuracy 50%)
+    sft = held_out.before(first_row=evaluate_and_print)
     policy.train()
     for step in stage.steps():
         step_loss, step_accuracy, tokens = 0.0, 0.0, 0
@@ -230,8 +215,7 @@ def main(argv=None):
     stage.save_before_final_evaluation()  # a Ctrl-C below keeps the trained steps; --resume runs only what follows
 
     # --- SFT and DPO on the held-out prompts, and the reward-hacking flag ------------------------------------------
-    dpo, examples = held_out("DPO policy")
-    record_held_out(stage, "dpo", sft, dpo, examples, args.eval_samples)
+    dpo = held_out.after("dpo", sft)
     first, last = stage.metrics.rows[0], stage.latest_val()
     return stage.finish(f"val implicit-reward accuracy {first['val_accuracy']:.1%} -> {last['val_accuracy']:.1%}, "
                         f"margin {last['val_margin']:.3f}; held-out judge {sft['judge']:.3f} (SFT) -> "

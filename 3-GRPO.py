@@ -22,17 +22,14 @@ import torch
 from chinese_tokenizer import load_tokenizer
 from plumbing.alignment import (
     ROLLOUT_MONITORS,
+    HeldOut,
     add_held_out_arguments,
     as_val_row,
-    describe,
-    from_val_row,
-    held_out_monitors,
     load_policy_and_reward,
     masked_mean,
     monitors_of,
     penalise_unfinished,
     read_prompts,
-    record_held_out,
     rollout,
     token_logprobs,
 )
@@ -48,7 +45,6 @@ from plumbing.cli import (
     run,
     stage_parser,
 )
-from plumbing.judge import SentimentJudge
 from plumbing.optimizers import make_optimizer
 from plumbing.training import StageRun, make_accelerator
 
@@ -169,18 +165,8 @@ def main(argv=None):
                      plot=("curves.png", [("score", "val_score"), ("judge", "val_judge"), ("kl", "val_kl"),
                                           ("length", "val_length"), ("eos_share", "val_eos_share"),
                                           ("distinct_2", "val_distinct_2"), "clip_fraction", "train_loss"]))
-    judge = SentimentJudge()
-
-    def held_out(tag):
-        with accelerator.autocast():  # the precision of the updates, so that scores and KL compare like with like
-            monitors, examples = held_out_monitors(unwrapped, ref, reward_model, judge, val_prompts, tokenizer,
-                                                   args, context_length, device, args.seed)
-        stage.print(f"{tag} on {len(val_prompts)} held-out prompts x {args.eval_samples}: {describe(monitors)}")
-        return monitors, examples
-
-    if stage.step == 0:  # step 0 of the val_* curves: the SFT policy before any update
-        stage.log(as_val_row(held_out("SFT policy")[0]))
-    sft = from_val_row(stage.metrics.rows[0])
+    held_out = HeldOut(stage, unwrapped, ref, reward_model, val_prompts, tokenizer, args, context_length)
+    sft = held_out.before()  # step 0 of the val_* curves: the SFT policy before any update
 
     # --- the loop: a group of samples per prompt, group advantages, the clipped objective ------------------------
     schedule = BatchSchedule(len(prompts), args.rollout_size, 1, accelerator.num_processes, args.seed)
@@ -193,7 +179,7 @@ def main(argv=None):
         mask = data["response_mask"]  # (B, R)
         scores = penalise_unfinished(data["scores"], data["ended"], args.no_eos_penalty)  # (B,)
         advantages = group_advantages(scores, args.group_size)  # (B,)
-        monitors = monitors_of([data], judge, tokenizer)[0]
+        monitors = monitors_of([data], held_out.judge, tokenizer)[0]
 
         P, n = data["prompt_len"], len(group_prompts)
         stats = []
@@ -213,15 +199,14 @@ def main(argv=None):
                "score": monitors["rm_score"], **{k: monitors[k] for k in ROLLOUT_MONITORS},
                "clip_fraction": clip_fraction, "kl_k3_per_token": kl_per_token}
         if stage.eval_due and not stage.completed:
-            row.update(as_val_row(held_out(f"iteration {stage.step}")[0]))
+            row.update(as_val_row(held_out.measure(f"iteration {stage.step}")[0]))
         stage.log(row, show=("score", "kl", "judge"))
     if not stage.completed:
         return stage.finish()
     stage.save_before_final_evaluation()  # a Ctrl-C below keeps the trained steps; --resume runs only what follows
 
     # --- SFT and GRPO on held-out prompts, and the reward-hacking flag ----------------------------------------------
-    grpo, examples = held_out("GRPO policy")
-    record_held_out(stage, "grpo", sft, grpo, examples, args.eval_samples)
+    grpo = held_out.after("grpo", sft)
     return stage.finish(f"held-out RM score {sft['rm_score']:.3f} (SFT) -> {grpo['rm_score']:.3f} (GRPO), "
                         f"judge {sft['judge']:.3f} -> {grpo['judge']:.3f}, KL {grpo['kl']:.2f} nats/response")
 

@@ -41,17 +41,14 @@ from gpt_model import RewardModel, last_real_index
 from plumbing.alignment import (
     KL_LIMIT,
     ROLLOUT_MONITORS,
+    HeldOut,
     add_held_out_arguments,
     as_val_row,
-    describe,
-    from_val_row,
-    held_out_monitors,
     load_policy_and_reward,
     masked_mean,
     monitors_of,
     penalise_unfinished,
     read_prompts,
-    record_held_out,
     rollout,
     token_logprobs,
 )
@@ -67,7 +64,6 @@ from plumbing.cli import (
     stage_parser,
     unit_interval,
 )
-from plumbing.judge import SentimentJudge
 from plumbing.optimizers import make_optimizer
 from plumbing.training import StageRun, make_accelerator, mean_over_processes
 
@@ -231,21 +227,9 @@ def main(argv=None):
                      write_state=lambda d: save_model(unwrapped.critic, os.path.join(d, "critic.safetensors")))
     if args.resume:
         load_model(unwrapped.critic, os.path.join(args.output_dir, "state", "critic.safetensors"))
-    judge = SentimentJudge()
     kl_limit = args.target_kl or DEFAULT_TARGET_KL  # the flag's KL budget, also when beta is fixed
-
-    def held_out(tag):
-        with accelerator.autocast():  # the precision of the updates, so that scores and KL compare like with like
-            monitors, examples = held_out_monitors(unwrapped.policy, ref, reward_model, judge, val_prompts,
-                                                   tokenizer, args, context_length, device, args.seed)
-        stage.print(f"{tag} on {len(val_prompts)} held-out prompts x {args.eval_samples}: "
-                    f"{describe(monitors)}")
-        return monitors, examples
-
-    if stage.step == 0:  # step 0 of the val_* curves: the SFT policy before any update
-        sft = held_out("SFT policy")[0]
-        stage.log({**as_val_row(sft), "val_score_sft": sft["rm_score"]})
-    sft = from_val_row(stage.metrics.rows[0])
+    held_out = HeldOut(stage, unwrapped.policy, ref, reward_model, val_prompts, tokenizer, args, context_length)
+    sft = held_out.before()  # step 0 of the val_* curves: the SFT policy before any update
 
     # --- the loop: rollouts, advantages, PPO epochs ------------------------------------------------------------
     schedule = BatchSchedule(len(prompts), args.rollout_size, 1, accelerator.num_processes, args.seed)
@@ -261,7 +245,7 @@ def main(argv=None):
         advantages, returns = gae(rewards, data["values"], mask, args.gamma, args.lam)
         advantages = masked_whiten(advantages, mask)
         # the monitors averaged over every process's rollouts: the KL controller must move beta alike everywhere
-        monitors = monitors_of([data], judge, tokenizer)[0]
+        monitors = monitors_of([data], held_out.judge, tokenizer)[0]
         monitors = dict(zip(monitors, mean_over_processes(accelerator, list(monitors.values()))))
 
         P, n = data["prompt_len"], len(batch_prompts)
@@ -294,17 +278,14 @@ def main(argv=None):
                "kl_coef": stage.extra["kl_coef"], "clip_fraction": clip_fraction, "approx_kl": approx_kl,
                "ppo_epochs": epoch + 1, "policy_loss": policy_loss, "value_loss": value_loss}
         if stage.eval_due and not stage.completed:
-            row.update(as_val_row(held_out(f"iteration {stage.step}")[0]))
+            row.update(as_val_row(held_out.measure(f"iteration {stage.step}")[0]))
         stage.log(row, show=("score", "kl", "kl_coef"))
     if not stage.completed:
         return stage.finish()
     stage.save_before_final_evaluation()  # a Ctrl-C below keeps the trained steps; --resume runs only what follows
 
     # --- SFT and PPO on held-out prompts, and the reward-hacking flag -----------------------------------------------
-    ppo, examples = held_out("PPO policy")
-    record_held_out(stage, "ppo", sft, ppo, examples, args.eval_samples, kl_limit,
-                    held_out_settings={"prompts": val_prompts, "samples_per_prompt": args.eval_samples,
-                                       "temperature": 1.0, "max_new_tokens": args.max_new_tokens})
+    ppo = held_out.after("ppo", sft, kl_limit)
     return stage.finish(f"held-out RM score {sft['rm_score']:.3f} (SFT) -> {ppo['rm_score']:.3f} (PPO), "
                         f"judge {sft['judge']:.3f} -> {ppo['judge']:.3f}, KL {ppo['kl']:.2f} nats/response")
 

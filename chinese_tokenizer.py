@@ -110,8 +110,28 @@ def normalize_text(text: str) -> str:
 
 
 def encode(text: str, tokenizer: BertTokenizerFast, add_special_tokens: bool = False) -> list[int]:
-    """Text -> ids. No ``[CLS]``/``[SEP]`` unless ``add_special_tokens``; "[CLS]" typed in the text is just text."""
-    return tokenizer.encode(normalize_text(text), add_special_tokens=add_special_tokens, split_special_tokens=True)
+    """Text -> ids. No ``[CLS]``/``[SEP]`` unless ``add_special_tokens``; "[CLS]" typed in the text is just text.
+
+    This and ``encode_batch`` are the one way text becomes ids, for every path: pretraining documents, SFT, RM and
+    DPO pairs, prompts, the server. A special token can only come from the code that lays out a sequence (the chat
+    template, the ``[SEP]`` between documents), never from what a user or a corpus wrote."""
+    return encode_batch([text], tokenizer, add_special_tokens)[0]
+
+
+def encode_batch(texts, tokenizer: BertTokenizerFast, add_special_tokens: bool = False) -> list[list[int]]:
+    """Many texts -> their ids by the rule of ``encode``, in one call of the fast tokenizer (which spreads a batch
+    over the CPU's cores): line ends normalised, a special token's name in the text read as plain text."""
+    return tokenizer([normalize_text(t) for t in texts], add_special_tokens=add_special_tokens,
+                     split_special_tokens=True)["input_ids"]
+
+
+def tokenizer_fingerprint(tokenizer: BertTokenizerFast) -> str:
+    """The sha256 of everything that decides which ids a text gets: the fast tokenizer's whole serialized state
+    (``tokenizer.json``: vocabulary, normaliser with its lower-casing and accent settings, pre-tokeniser, added
+    tokens, the word-piece limits). Two tokenizers with the same fingerprint encode every text alike."""
+    import hashlib
+
+    return hashlib.sha256(tokenizer.backend_tokenizer.to_str().encode("utf-8")).hexdigest()
 
 
 def decode(ids, tokenizer: BertTokenizerFast, skip_special_tokens: bool = True) -> str:

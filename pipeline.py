@@ -29,7 +29,17 @@ from gpt_model import PRESETS
 from plumbing import cli
 from plumbing.checkpoint import file_sha256
 from plumbing.cli import USER_ERRORS, ArgumentParser, UserError, default_path, run
-from plumbing.report import ANSWERING, BEST_OF, REPORT_DECODING, REPORT_PROMPTS, read_json, read_rows, write_report
+from plumbing.report import (
+    ALIGNED,
+    ANSWERING,
+    BEST_OF,
+    REPORT_DECODING,
+    REPORT_PROMPTS,
+    held_out_settings,
+    read_json,
+    read_rows,
+    write_report,
+)
 from plumbing.training import resume_command
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -307,11 +317,11 @@ def load_stage_defaults(script: str) -> dict:
 
 def run_best_of_n(args, py, total, started) -> dict | None:
     """Best-of-4 and best-of-16 from the SFT model on the held-out prompts the alignment stages were measured on,
-    sampled as they sample them (3-PPO.py's ``held_out_settings``), from one run of 16 samples per prompt; returns
-    ``generate.py --monitors``' dict, ``{"1": ..., "2": ..., "4": ..., "8": ..., "16": ...}`` (None if PPO recorded
-    no settings)."""
-    settings = read_json(os.path.join(ROOT, CHECKPOINTS["ppo"], "config.json")).get("metrics", {}).get(
-        "held_out_settings")
+    sampled as they sample them (``report.held_out_settings``), from one run of 16 samples per prompt; returns
+    ``generate.py --monitors``' dict, ``{"1": ..., "2": ..., "4": ..., "8": ..., "16": ...}`` (None if no aligner
+    recorded settings)."""
+    settings = held_out_settings({stage: read_json(os.path.join(ROOT, CHECKPOINTS[stage], "config.json")).get(
+        "metrics", {}) for stage in ALIGNED})
     if not settings:
         return None
     prompts_file = os.path.join(args.report_dir, "held-out-prompts.txt")

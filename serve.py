@@ -17,8 +17,10 @@ front end can talk to the model (``base_url="http://127.0.0.1:8000/v1"``, any ap
 * ``GET /``: the chat page (``web/chat.html``: plain HTML and JavaScript, nothing fetched from elsewhere).
 
 Defaults where a request says nothing: temperature 0.8 and top-k 50 (``generate.py``'s; greedy text from a small
-model loops), ``max_tokens`` half the model's context. A long conversation keeps its newest turns: the prompt is
-cut so that prompt + ``max_tokens`` fit in the context. With ``--reward DIR`` every choice carries the reward
+model loops), ``max_tokens`` half the model's context (or what the prompt leaves of it). A prompt is never cut
+silently: when it does not fit with ``max_tokens`` the request gets a 400 naming both counts and the context, as
+OpenAI's API answers; a chat request may instead send ``truncate_history: true`` (an extension) to drop its oldest
+whole (user, assistant) turns, never the system text and never part of a turn. With ``--reward DIR`` every choice carries the reward
 model's score as ``"reward"`` (an extension field) and a non-streamed reply lists its ``n`` choices best first
 (best-of-n); in a stream each choice's last chunk carries its score.
 
@@ -26,12 +28,13 @@ How requests are run: one generation thread owns the model. Requests queue for i
 and sample alike (same temperature, top-k, top-p, no seed) run as one left-padded batch of up to ``MAX_BATCH``
 rows through ``gpt_model.generate`` with the KV cache, each row ending at its own [SEP], stop string or
 ``max_tokens``. Tokens go to each request's own queue, so a slow reader never holds up the thread or the others'
-streams; a reader who disconnects ends its rows at the next token. A request with a ``seed`` runs alone, right
+streams; a client who disconnects ends its rows at the next token (a streamed one when its stream closes, a
+non-streamed one when the waiting request sees the disconnect, polled every ``DISCONNECT_POLL_S``). A request with a ``seed`` runs alone, right
 after seeding torch's generator, so the same request gives the same answer.
 
 Errors come back as OpenAI error objects, ``{"error": {"message", "type", "param", "code"}}``: 400 for a body that
-is not JSON or a request the model cannot serve (empty ``messages``, a role out of order, ``max_tokens`` beyond the
-context), 404 for an unknown model or path, 422 for a field of the wrong type or range (``temperature`` < 0).
+is not JSON or a request the model cannot serve (empty ``messages``, a message without ``content``, a role out of
+order, a prompt and ``max_tokens`` longer than the context), 404 for an unknown model or path, 422 for a field of the wrong type or range (``temperature`` < 0).
 """
 
 from __future__ import annotations
@@ -51,12 +54,13 @@ from dataclasses import dataclass, field
 import torch
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import FileResponse, JSONResponse, StreamingResponse
+from fastapi.responses import FileResponse, JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from chinese_tokenizer import EOS_ID, PAD_ID, IncrementalDecoder, chat_messages_ids
+from chinese_tokenizer import EOS_ID, IncrementalDecoder, chat_messages_ids, encode
 from gpt_model import generate
+from plumbing.batching import pad_left
 from plumbing.cli import ArgumentParser, UserError, run
 from plumbing.devices import pick_device
 from plumbing.inference import (
@@ -67,7 +71,6 @@ from plumbing.inference import (
     find_latest_checkpoint,
     load_policy,
     load_reward,
-    prompt_to_ids,
     weight_dtype,
 )
 from plumbing.reward import score_texts
@@ -77,6 +80,7 @@ MAX_BATCH = 16  # rows generated together; also the largest n
 MAX_STOP = 4  # stop strings per request, as in the OpenAI API
 DEFAULT_TEMPERATURE = 0.8  # generate.py's defaults: greedy text from a small model loops
 DEFAULT_TOP_K = 50
+DISCONNECT_POLL_S = 0.05  # how often a non-streamed request checks that its client is still there
 
 
 def log(message: str) -> None:
@@ -87,7 +91,7 @@ def log(message: str) -> None:
 
 class Message(BaseModel):
     role: str
-    content: str | list[dict] = ""
+    content: str | list[dict] | None = None  # a message without content is refused (message_text), not read as ""
 
 
 class Sampling(BaseModel):
@@ -107,6 +111,7 @@ class Sampling(BaseModel):
 
 class ChatRequest(Sampling):
     messages: list[Message]
+    truncate_history: bool = False  # an extension: drop the oldest whole turns that do not fit (conversation_ids)
 
 
 class CompletionRequest(Sampling):
@@ -139,7 +144,10 @@ def field_path(loc) -> str | None:
 
 
 def message_text(message: Message, i: int) -> str:
-    """A message's text: a string, or the ``text`` parts of a content list."""
+    """A message's text: a string, or the ``text`` parts of a content list. Raises ``ApiError`` (400) for a
+    message without ``content`` (null or missing) and for parts that are not text."""
+    if message.content is None:
+        raise ApiError(400, f"messages[{i}].content is missing: every message needs its text", f"messages[{i}].content")
     if isinstance(message.content, str):
         return message.content
     texts = []
@@ -273,10 +281,9 @@ class Generator:
     def run(self, batch: list[Job]) -> None:
         """Generate every row of ``batch`` in one left-padded ``generate`` call."""
         rows = [Row(job, c, self.tokenizer) for job in batch for c in range(job.n)]
-        prompts = [row.job.prompt_ids for row in rows]
-        width = max(map(len, prompts))
-        input_ids = torch.tensor([[PAD_ID] * (width - len(p)) + p for p in prompts], device=self.device)  # (B, T)
-        attention_mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.device)
+        batch_ids = pad_left([row.job.prompt_ids for row in rows])
+        input_ids = batch_ids["input_ids"].to(self.device)  # (B, T), every row ending at the last column
+        attention_mask = batch_ids["attention_mask"].to(self.device)  # (B, T)
         first = batch[0]
         if first.seed is not None:
             torch.manual_seed(first.seed)
@@ -296,46 +303,338 @@ class Generator:
             log(f"stopped {len(left)} row(s) whose client left, after {tokens} of {limit} tokens")
 
 
+# --- what differs between the two endpoints ----------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Endpoint:
+    """The shape of one endpoint's replies: ``chat.completion`` choices carry a ``message`` and stream ``delta``s
+    (the first one giving the role), ``text_completion`` choices carry ``text`` in replies and chunks alike."""
+    object: str
+    chunk_object: str
+    id_prefix: str
+    chat: bool
+
+    def choice(self, index: int, text: str, finish: str) -> dict:
+        """One choice of a non-streamed reply."""
+        body = {"message": {"role": "assistant", "content": text}} if self.chat else {"text": text}
+        return {"index": index, "finish_reason": finish, "logprobs": None, **body}
+
+    def chunk_choice(self, index: int, text: str | None, finish: str | None, first: bool = False) -> dict:
+        """One choice of a streamed chunk: a piece of text, the role (``first``, chat only) or the end."""
+        if not self.chat:
+            return {"index": index, "text": text or "", "finish_reason": finish, "logprobs": None}
+        delta = {"role": "assistant", "content": ""} if first else ({} if text is None else {"content": text})
+        return {"index": index, "delta": delta, "finish_reason": finish, "logprobs": None}
+
+
+CHAT = Endpoint("chat.completion", "chat.completion.chunk", "chatcmpl-", chat=True)
+COMPLETION = Endpoint("text_completion", "text_completion", "cmpl-", chat=False)
+
+
+# --- errors ------------------------------------------------------------------------------------------------------
+
+async def api_error(request: Request, e: ApiError):
+    return JSONResponse(error_body(e.message, e.status, e.param, e.code), status_code=e.status)
+
+
+async def invalid_request(request: Request, e: RequestValidationError):
+    """pydantic's complaint about a body as one OpenAI error: 400 for a body that is no JSON object, 422 for a field
+    of the wrong type or range."""
+    first = e.errors()[0]
+    if first.get("type") == "json_invalid":
+        where = first.get("loc", ())[1:2]
+        reason = (first.get("ctx") or {}).get("error", first.get("msg"))
+        at = f" at character {where[0]}" if where else ""
+        return JSONResponse(error_body(f"the request body is not valid JSON ({reason}{at})", 400), 400)
+    if tuple(first.get("loc", ())) == ("body",):
+        return JSONResponse(error_body("the request body must be a JSON object, sent with Content-Type: "
+                                       "application/json", 400), 400)
+    param = field_path(first.get("loc", ())[1:])
+    return JSONResponse(error_body(f"{param or 'body'}: {first.get('msg')}", 422, param), 422)
+
+
+async def http_error(request: Request, e: StarletteHTTPException):
+    allowed = (e.headers or {}).get("Allow", "another method")
+    message = {404: f"no route {request.method} {request.url.path}",
+               405: f"{request.method} is not allowed on {request.url.path}: use {allowed}"}.get(e.status_code,
+                                                                                             str(e.detail))
+    return JSONResponse(error_body(message, e.status_code, code="not_found" if e.status_code == 404 else None),
+                        e.status_code)
+
+
+async def crashed(request: Request, e: Exception):
+    traceback.print_exc()
+    return JSONResponse(error_body(f"internal error: {type(e).__name__}: {e}", 500), 500)
+
+
+ERROR_HANDLERS = {ApiError: api_error, RequestValidationError: invalid_request, StarletteHTTPException: http_error,
+                  Exception: crashed}
+
+
+# --- a request's prompt and budget -------------------------------------------------------------------------------
+
+def stop_strings(req: Sampling) -> list[str]:
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    if len(stop) > MAX_STOP:
+        raise ApiError(400, f"stop has {len(stop)} strings; give at most {MAX_STOP}", "stop")
+    return [s for s in stop if s]
+
+
+def max_tokens_for(req: Sampling, prompt_tokens: int, context: int, hint: str = "") -> int:
+    """The request's ``max_tokens`` (or ``max_completion_tokens``), checked before anything is generated: the prompt
+    and the answer must fit in the context together, as OpenAI's API and vLLM check it. Without one, up to half the
+    context, and no more than what the prompt leaves.
+
+    Raises:
+        ApiError: 400 (code ``context_length_exceeded``) naming the prompt's token count, ``max_tokens`` and the
+            context when they do not fit; ``hint`` ends the message (another way out, if there is one).
+    """
+    name = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
+    wanted, room = req.max_completion_tokens or req.max_tokens, context - prompt_tokens
+    if wanted is None and room >= 1:
+        return min(context // 2, room)
+    if wanted is None or wanted > room:
+        asked = f"{name} {wanted}" if wanted else "at least 1 token"
+        raise ApiError(400, f"this model's context is {context} tokens, but the prompt has {prompt_tokens} and the "
+                            f"answer asks for {asked}; shorten the prompt or lower {name}{hint}",
+                       name if wanted else "messages", "context_length_exceeded")
+    return wanted
+
+
+def conversation_ids(turns, tokenizer, context: int, req: ChatRequest) -> list[int]:
+    """The chat template of ``turns`` whole, or, with the request's ``truncate_history``, without as many of its
+    oldest (user, assistant) pairs as the context needs: never the system text, never part of a turn, never the
+    last user turn. A conversation that does not fit is refused later (``max_tokens_for``), not cut.
+
+    Raises:
+        ApiError: 400 for a conversation out of order (the message says which turn).
+    """
+    try:
+        ids = chat_messages_ids(turns, tokenizer)
+        if req.truncate_history:
+            budget = req.max_completion_tokens or req.max_tokens or 1
+            system = [t for t in turns if t[0] == "system"]
+            rest = turns[len(system):]
+            while len(ids) + budget > context and len(rest) > 1:
+                rest = rest[2:]  # the oldest user turn and the assistant's answer to it
+                ids = chat_messages_ids(system + rest, tokenizer)
+    except ValueError as e:
+        raise ApiError(400, str(e), "messages") from e
+    return ids
+
+
 # --- the app -----------------------------------------------------------------------------------------------------
 
-def create_app(model, tokenizer, chat: bool, model_id: str, reward_model=None) -> FastAPI:
-    """The FastAPI app serving ``model`` (see the module docstring); starts its generation thread."""
-    app = FastAPI(title="手搓 GPT-2", docs_url=None, redoc_url=None)
-    generator = Generator(model, tokenizer)
-    context = model.cfg.context_length
+class Service:
+    """One served model: its generation thread (``Generator``) and what turns a request into jobs and a reply.
+
+    ``chat``: whether the model answers through the chat template (``/v1/chat/completions``);
+    ``reward_model``: an optional RM that scores every choice (``"reward"``, best first when not streamed)."""
+
+    def __init__(self, model, tokenizer, chat: bool, model_id: str, reward_model=None):
+        self.model, self.tokenizer, self.chat, self.model_id = model, tokenizer, chat, model_id
+        self.reward_model, self.context = reward_model, model.cfg.context_length
+        self.generator = Generator(model, tokenizer)
+        self.created = int(time.time())
+
+    def model_card(self) -> dict:
+        return {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "local",
+                "context_length": self.context, "chat": self.chat}
+
+    def check_model(self, name: str | None) -> None:
+        if name is not None and name != self.model_id:
+            raise ApiError(404, f"model {name!r} is not served here; this server has {self.model_id!r}", "model",
+                           "model_not_found")
+
+    def job(self, req: Sampling, prompt_ids: list[int], hint: str = "") -> Job:
+        """The work of one prompt: its ``n`` continuations with the request's sampling (generate.py's defaults
+        where it says nothing); the prompt must fit with its answer (``max_tokens_for``, ``hint`` for its error)."""
+        temperature = DEFAULT_TEMPERATURE if req.temperature is None else req.temperature
+        top_k = DEFAULT_TOP_K if req.top_k is None else req.top_k
+        top_p = req.top_p if req.top_p is not None and req.top_p < 1.0 else None
+        return Job(prompt_ids, req.n, max_tokens_for(req, len(prompt_ids), self.context, hint), temperature,
+                   top_k or None, top_p, req.seed, stop_strings(req), asyncio.get_running_loop(), asyncio.Queue())
+
+    def chat_jobs(self, req: ChatRequest) -> tuple[list[Job], list[str]]:
+        """The one job of a chat request and its prompt (the last user turn, for the RM's scores)."""
+        self.check_model(req.model)
+        if not self.chat:
+            raise ApiError(400, f"{self.model_id} is a plain language model (not trained on the chat template); use "
+                                f"/v1/completions, or serve an SFT, PPO, DPO or GRPO checkpoint", "messages")
+        if not req.messages:
+            raise ApiError(400, "messages is empty: give at least one user message", "messages")
+        turns = [(m.role, message_text(m, i)) for i, m in enumerate(req.messages)]
+        ids = conversation_ids(turns, self.tokenizer, self.context, req)
+        several = sum(role == "user" for role, _ in turns) > 1
+        hint = " (or send truncate_history: true to drop the oldest whole turns)" if several and not \
+            req.truncate_history else ""
+        return [self.job(req, ids, hint)], [turns[-1][1]]
+
+    def completion_jobs(self, req: CompletionRequest) -> tuple[list[Job], list[str]]:
+        """One job per prompt of a completion request, and the prompts."""
+        self.check_model(req.model)
+        prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
+        if not prompts or any(not p for p in prompts):
+            raise ApiError(400, "prompt is empty: give some text to continue", "prompt")
+        if len(prompts) * req.n > MAX_BATCH:
+            raise ApiError(400, f"{len(prompts)} prompts x n={req.n} is more than {MAX_BATCH} completions", "n")
+        start = [] if self.model.cfg.bos_id is None else [self.model.cfg.bos_id]  # as the model's documents began
+        return [self.job(req, start + encode(p, self.tokenizer)) for p in prompts], prompts
+
+    def reward_of(self, prompt: str, text: str, finish: str) -> float:
+        """The RM's score of one choice; one cut off at max_tokens (finish "length") without the closing [SEP]
+        it never wrote, as generate.py and the alignment stages score such an answer."""
+        return round(float(score_texts(self.reward_model, self.tokenizer, [prompt], [text],
+                                       ended=[finish != "length"])[0]), 4)
+
+    async def respond(self, request: Request, req: Sampling, jobs: list[Job], prompts: list[str],
+                      endpoint: Endpoint):
+        """Queue the jobs, then the reply: streamed (``stream_events``) or whole (``reply``)."""
+        for job in jobs:
+            self.generator.submit(job)
+        rid = endpoint.id_prefix + uuid.uuid4().hex[:24]
+        usage = {"prompt_tokens": sum(len(j.prompt_ids) for j in jobs), "completion_tokens": 0}
+        started = time.perf_counter()
+        if req.stream:
+            return StreamingResponse(stream_events(self, rid, req, jobs, prompts, endpoint, usage, started),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        try:
+            choices = await collect(jobs, req.n, request)
+        finally:  # the reply is complete, or the client left (disconnected, or cancelled): no row runs on
+            for job in jobs:
+                job.cancelled.set()
+        if choices is None:
+            log_request(endpoint.object + " (client left)", usage, ["cancelled"], started)
+            return Response(status_code=499)  # nobody reads it; the status only shows in logs
+        return self.reply(rid, choices, prompts, endpoint, usage, started)
+
+    def reply(self, rid: str, choices: dict, prompts: list[str], endpoint: Endpoint, usage: dict,
+              started: float) -> dict:
+        """A whole reply: the choices in order, or per prompt best first by the RM's reward, with the usage."""
+        for (j, _), ch in choices.items():
+            usage["completion_tokens"] += ch["tokens"]
+            if self.reward_model is not None:
+                ch["reward"] = self.reward_of(prompts[j], ch["text"], ch["finish"])
+        order = sorted(choices) if self.reward_model is None else \
+            sorted(choices, key=lambda k: (k[0], -choices[k]["reward"]))  # per prompt, best first
+        out = []
+        for index, key in enumerate(order):
+            ch = choices[key]
+            out.append({**endpoint.choice(index, ch["text"], ch["finish"]),
+                        **({"reward": ch["reward"]} if "reward" in ch else {})})
+        usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+        log_request(endpoint.object, usage, [ch["finish"] for ch in choices.values()], started)
+        return {"id": rid, "object": endpoint.object, "created": int(time.time()), "model": self.model_id,
+                "choices": out, "usage": usage}
+
+
+async def collect(jobs: list[Job], n: int, request: Request | None = None) -> dict | None:
+    """Wait for every choice of ``jobs``: {(job, choice): {"text", "finish", "tokens"}}; None as soon as the
+    client of ``request`` has disconnected (checked every ``DISCONNECT_POLL_S``, whether tokens arrive or not)."""
+    choices, checked = {}, time.monotonic()
+    for j, job in enumerate(jobs):
+        texts, open_ = [""] * n, n
+        while open_:
+            try:
+                event = await asyncio.wait_for(job.events.get(), DISCONNECT_POLL_S)
+            except asyncio.TimeoutError:
+                event = None
+            if request is not None and time.monotonic() - checked >= DISCONNECT_POLL_S:
+                checked = time.monotonic()
+                if await request.is_disconnected():
+                    return None
+            if event is None:
+                continue
+            if event[0] == "error":
+                raise ApiError(500, event[1])
+            if event[0] == "text":
+                texts[event[1]] += event[2]
+            else:
+                choices[(j, event[1])] = {"text": texts[event[1]], "finish": event[2], "tokens": event[3]}
+                open_ -= 1
+    return choices
+
+
+def sse(body: dict) -> str:
+    """One server-sent event."""
+    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+
+async def merged_events(jobs: list[Job]):
+    """Every job's events as one stream of (job index, event), in the order they arrive; ends after an error."""
+    merged: asyncio.Queue = asyncio.Queue()
+
+    async def forward(j, job):
+        while True:
+            event = await job.events.get()
+            await merged.put((j, event))
+            if event[0] == "error":
+                return
+
+    tasks = [asyncio.create_task(forward(j, job)) for j, job in enumerate(jobs)]
+    try:
+        while True:
+            yield await merged.get()
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+async def stream_events(service: Service, rid, req, jobs, prompts, endpoint: Endpoint, usage, started):
+    """Server-sent events: the role of each choice (chat), one chunk per piece of text, a last chunk per choice
+    (with its reward under an RM), the usage if asked, then [DONE]. A client who goes away ends its rows at their
+    next token."""
     created = int(time.time())
+    with_usage = bool(req.stream_options and req.stream_options.get("include_usage"))
 
-    @app.exception_handler(ApiError)
-    async def api_error(request: Request, e: ApiError):
-        return JSONResponse(error_body(e.message, e.status, e.param, e.code), status_code=e.status)
+    def chunk(choice: dict) -> str:
+        body = {"id": rid, "object": endpoint.chunk_object, "created": created, "model": service.model_id,
+                "choices": [choice]}
+        return sse({**body, "usage": None} if with_usage else body)
 
-    @app.exception_handler(RequestValidationError)
-    async def invalid(request: Request, e: RequestValidationError):
-        first = e.errors()[0]
-        if first.get("type") == "json_invalid":
-            where = first.get("loc", ())[1:2]
-            reason = (first.get("ctx") or {}).get("error", first.get("msg"))
-            at = f" at character {where[0]}" if where else ""
-            return JSONResponse(error_body(f"the request body is not valid JSON ({reason}{at})", 400), 400)
-        if tuple(first.get("loc", ())) == ("body",):
-            return JSONResponse(error_body("the request body must be a JSON object, sent with Content-Type: "
-                                           "application/json", 400), 400)
-        param = field_path(first.get("loc", ())[1:])
-        return JSONResponse(error_body(f"{param or 'body'}: {first.get('msg')}", 422, param), 422)
+    finishes, texts, open_ = [], {}, len(jobs) * req.n
+    try:
+        if endpoint.chat:
+            for c in range(req.n):
+                yield chunk(endpoint.chunk_choice(c, None, None, first=True))
+        events = merged_events(jobs)
+        async for j, event in events:
+            if event[0] == "error":
+                yield sse(error_body(event[1], 500))
+                finishes.append("error")
+                break
+            index = j * req.n + event[1]
+            if event[0] == "text":
+                texts[index] = texts.get(index, "") + event[2]
+                yield chunk(endpoint.chunk_choice(index, event[2], None))
+                continue
+            open_ -= 1
+            finishes.append(event[2])
+            usage["completion_tokens"] += event[3]
+            reward = {"reward": service.reward_of(prompts[j], texts.get(index, ""), event[2])} \
+                if service.reward_model is not None else {}
+            yield chunk({**endpoint.chunk_choice(index, None, event[2]), **reward})
+            if not open_:
+                break
+        await events.aclose()
+        usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
+        if with_usage:
+            yield sse({"id": rid, "object": endpoint.chunk_object, "created": created, "model": service.model_id,
+                       "choices": [], "usage": usage})
+        yield "data: [DONE]\n\n"
+    finally:  # also when the client went away: its rows end at their next token
+        for job in jobs:
+            job.cancelled.set()
+        if len(finishes) < len(jobs) * req.n:
+            finishes.append("cancelled")
+        log_request(endpoint.object + " (stream)", usage, finishes, started)
 
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, e: StarletteHTTPException):
-        allowed = (e.headers or {}).get("Allow", "another method")
-        message = {404: f"no route {request.method} {request.url.path}",
-                   405: f"{request.method} is not allowed on {request.url.path}: use {allowed}"}.get(e.status_code,
-                                                                                                 str(e.detail))
-        return JSONResponse(error_body(message, e.status_code, code="not_found" if e.status_code == 404 else None),
-                            e.status_code)
 
-    @app.exception_handler(Exception)
-    async def crashed(request: Request, e: Exception):
-        traceback.print_exc()
-        return JSONResponse(error_body(f"internal error: {type(e).__name__}: {e}", 500), 500)
+def create_app(model, tokenizer, chat: bool, model_id: str, reward_model=None) -> FastAPI:
+    """The FastAPI app serving ``model`` (see the module docstring): the routes of a ``Service``, which starts its
+    generation thread, and the error handlers."""
+    service = Service(model, tokenizer, chat, model_id, reward_model)
+    app = FastAPI(title="手搓 GPT-2", docs_url=None, redoc_url=None, exception_handlers=ERROR_HANDLERS)
 
     @app.get("/")
     async def page():
@@ -343,205 +642,22 @@ def create_app(model, tokenizer, chat: bool, model_id: str, reward_model=None) -
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [model_card()]}
-
-    def model_card() -> dict:
-        return {"id": model_id, "object": "model", "created": created, "owned_by": "local",
-                "context_length": context, "chat": chat}
+        return {"object": "list", "data": [service.model_card()]}
 
     @app.get("/v1/models/{name}")
     async def one_model(name: str):
-        check_model(name)
-        return model_card()
-
-    def check_model(name: str | None) -> None:
-        if name is not None and name != model_id:
-            raise ApiError(404, f"model {name!r} is not served here; this server has {model_id!r}", "model",
-                           "model_not_found")
-
-    def budget(req: Sampling, shortest_prompt: int) -> int:
-        """The request's max_tokens, checked against the context."""
-        limit = context - shortest_prompt
-        wanted = req.max_completion_tokens or req.max_tokens
-        if wanted is None:
-            return context // 2
-        if wanted > limit:
-            name = "max_completion_tokens" if req.max_completion_tokens else "max_tokens"
-            raise ApiError(400, f"{name} {wanted} is beyond the model's context of {context} tokens: ask for at "
-                                f"most {limit} (the prompt needs at least {shortest_prompt})", name)
-        return wanted
-
-    def stops(req: Sampling) -> list[str]:
-        stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-        if len(stop) > MAX_STOP:
-            raise ApiError(400, f"stop has {len(stop)} strings; give at most {MAX_STOP}", "stop")
-        return [s for s in stop if s]
-
-    def new_job(req: Sampling, prompt_ids: list[int], max_tokens: int) -> Job:
-        temperature = DEFAULT_TEMPERATURE if req.temperature is None else req.temperature
-        top_k = DEFAULT_TOP_K if req.top_k is None else req.top_k
-        top_p = req.top_p if req.top_p is not None and req.top_p < 1.0 else None
-        return Job(prompt_ids, req.n, max_tokens, temperature, top_k or None, top_p, req.seed, stops(req),
-                   asyncio.get_running_loop(), asyncio.Queue())
+        service.check_model(name)
+        return service.model_card()
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(req: ChatRequest):
-        check_model(req.model)
-        if not chat:
-            raise ApiError(400, f"{model_id} is a plain language model (not trained on the chat template); use "
-                                f"/v1/completions, or serve an SFT, PPO, DPO or GRPO checkpoint", "messages")
-        if not req.messages:
-            raise ApiError(400, "messages is empty: give at least one user message", "messages")
-        turns = [(m.role, message_text(m, i)) for i, m in enumerate(req.messages)]
-        max_tokens = budget(req, 3)  # [CLS], one token, [ANS]
-        try:
-            ids = chat_messages_ids(turns, tokenizer, context - max_tokens)
-        except ValueError as e:
-            raise ApiError(400, str(e), "messages") from e
-        prompt = turns[-1][1]
-        return await respond(req, [new_job(req, ids, max_tokens)], [prompt], "chat.completion")
+    async def chat_completions(req: ChatRequest, request: Request):
+        jobs, prompts = service.chat_jobs(req)
+        return await service.respond(request, req, jobs, prompts, CHAT)
 
     @app.post("/v1/completions")
-    async def completions(req: CompletionRequest):
-        check_model(req.model)
-        prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
-        if not prompts or any(not p for p in prompts):
-            raise ApiError(400, "prompt is empty: give some text to continue", "prompt")
-        if len(prompts) * req.n > MAX_BATCH:
-            raise ApiError(400, f"{len(prompts)} prompts x n={req.n} is more than {MAX_BATCH} completions", "n")
-        start = 0 if model.cfg.bos_id is None else 1
-        max_tokens = budget(req, start + 1)
-        jobs = [new_job(req, prompt_to_ids(p, tokenizer, False, context - max_tokens, model.cfg.bos_id),
-                        max_tokens) for p in prompts]
-        return await respond(req, jobs, prompts, "text_completion")
-
-    async def respond(req: Sampling, jobs: list[Job], prompts: list[str], kind: str):
-        for job in jobs:
-            generator.submit(job)
-        rid = ("chatcmpl-" if kind == "chat.completion" else "cmpl-") + uuid.uuid4().hex[:24]
-        usage = {"prompt_tokens": sum(len(j.prompt_ids) for j in jobs), "completion_tokens": 0}
-        started = time.perf_counter()
-        if req.stream:
-            return StreamingResponse(stream_events(rid, req, jobs, prompts, kind, usage, started),
-                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        try:
-            choices = await collect(jobs, req.n)
-        except asyncio.CancelledError:
-            for job in jobs:
-                job.cancelled.set()
-            raise
-        for (j, c), ch in choices.items():
-            usage["completion_tokens"] += ch["tokens"]
-            if reward_model is not None:
-                ch["reward"] = reward_of(prompts[j], ch["text"], ch["finish"])
-        order = sorted(choices) if reward_model is None else \
-            sorted(choices, key=lambda k: (k[0], -choices[k]["reward"]))  # per prompt, best first
-        out = []
-        for index, key in enumerate(order):
-            ch = choices[key]
-            item = {"index": index, "finish_reason": ch["finish"], "logprobs": None}
-            if kind == "chat.completion":
-                item["message"] = {"role": "assistant", "content": ch["text"]}
-            else:
-                item["text"] = ch["text"]
-            if "reward" in ch:
-                item["reward"] = ch["reward"]
-            out.append(item)
-        usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
-        log_request(kind, usage, [ch["finish"] for ch in choices.values()], started)
-        return {"id": rid, "object": kind, "created": int(time.time()), "model": model_id, "choices": out,
-                "usage": usage}
-
-    async def collect(jobs: list[Job], n: int) -> dict:
-        """Wait for every choice of ``jobs``: {(job, choice): {"text", "finish", "tokens"}}."""
-        choices = {}
-        for j, job in enumerate(jobs):
-            texts, open_ = [""] * n, n
-            while open_:
-                event = await job.events.get()
-                if event[0] == "error":
-                    raise ApiError(500, event[1])
-                if event[0] == "text":
-                    texts[event[1]] += event[2]
-                else:
-                    choices[(j, event[1])] = {"text": texts[event[1]], "finish": event[2], "tokens": event[3]}
-                    open_ -= 1
-        return choices
-
-    def reward_of(prompt: str, text: str, finish: str) -> float:
-        """The RM's score of one choice; one cut off at max_tokens (finish "length") without the closing [SEP]
-        it never wrote, as generate.py and the alignment stages score such an answer."""
-        return round(float(score_texts(reward_model, tokenizer, [prompt], [text], ended=[finish != "length"])[0]), 4)
-
-    async def stream_events(rid, req, jobs, prompts, kind, usage, started):
-        """Server-sent events: one chunk per piece of text, a last chunk per choice, [DONE]."""
-        created_at = int(time.time())
-        n = req.n
-
-        def chunk(index: int, text: str | None, finish: str | None = None, first: bool = False, extra=None):
-            if kind == "chat.completion":
-                delta = {"role": "assistant", "content": ""} if first else ({} if text is None else {"content": text})
-                choice = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": None}
-                obj = "chat.completion.chunk"
-            else:
-                choice = {"index": index, "text": text or "", "finish_reason": finish, "logprobs": None}
-                obj = "text_completion"
-            choice.update(extra or {})
-            body = {"id": rid, "object": obj, "created": created_at, "model": model_id, "choices": [choice]}
-            if req.stream_options and req.stream_options.get("include_usage"):
-                body["usage"] = None
-            return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
-
-        finishes = []
-        try:
-            if kind == "chat.completion":
-                for c in range(n):
-                    yield chunk(c, None, first=True)
-            merged: asyncio.Queue = asyncio.Queue()
-            texts = {}
-
-            async def forward(j, job):
-                while True:
-                    event = await job.events.get()
-                    await merged.put((j, event))
-                    if event[0] == "error":
-                        return
-
-            tasks = [asyncio.create_task(forward(j, job)) for j, job in enumerate(jobs)]
-            open_ = len(jobs) * n
-            try:
-                while open_:
-                    j, event = await merged.get()
-                    if event[0] == "error":
-                        yield f"data: {json.dumps(error_body(event[1], 500), ensure_ascii=False)}\n\n"
-                        finishes.append("error")
-                        break
-                    index = j * n + event[1]
-                    if event[0] == "text":
-                        texts[index] = texts.get(index, "") + event[2]
-                        yield chunk(index, event[2])
-                    else:
-                        open_ -= 1
-                        finishes.append(event[2])
-                        usage["completion_tokens"] += event[3]
-                        extra = {"reward": reward_of(prompts[j], texts.get(index, ""), event[2])} if reward_model \
-                            else None
-                        yield chunk(index, None if kind == "chat.completion" else "", event[2], extra=extra)
-            finally:
-                for task in tasks:
-                    task.cancel()
-            usage["total_tokens"] = usage["prompt_tokens"] + usage["completion_tokens"]
-            if req.stream_options and req.stream_options.get("include_usage"):
-                body = {"id": rid, "object": "chat.completion.chunk" if kind == "chat.completion" else
-                        "text_completion", "created": created_at, "model": model_id, "choices": [], "usage": usage}
-                yield f"data: {json.dumps(body)}\n\n"
-            yield "data: [DONE]\n\n"
-        finally:  # also when the client went away: its rows end at their next token
-            for job in jobs:
-                job.cancelled.set()
-            if len(finishes) < len(jobs) * n:
-                finishes.append("cancelled")
-            log_request(kind + " (stream)", usage, finishes, started)
+    async def completions(req: CompletionRequest, request: Request):
+        jobs, prompts = service.completion_jobs(req)
+        return await service.respond(request, req, jobs, prompts, COMPLETION)
 
     return app
 

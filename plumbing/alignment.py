@@ -30,7 +30,7 @@ from gpt_model import generate
 from plumbing.batching import pad_left
 from plumbing.checkpoint import CHAT_STAGES, load_backbone, load_checkpoint, read_config
 from plumbing.cli import UserError, default_path, positive_int
-from plumbing.judge import reward_hacking_flag, summarize
+from plumbing.judge import SentimentJudge, reward_hacking_flag, summarize
 from plumbing.records import read_prompt_files, shown_prompt
 from plumbing.report import markdown_table
 
@@ -264,6 +264,68 @@ def write_samples(path, examples):
     with open(path, "w", encoding="utf-8") as f:
         f.write(markdown_table(("prompt", "response", "RM score"),
                                [(shown_prompt(e["prompt"]), e["response"], e["score"]) for e in examples]))
+
+
+# the keys of ``judge.summarize`` with KL and entropy: what the held-out monitors hold (a step-0 row also has DPO's
+# val_loss / val_accuracy / val_margin, which are no monitors)
+MONITOR_KEYS = ("rm_score", "rm_score_se", "judge", "judge_se", "distinct_2", "longest_run", "eos_share", "length",
+                "kl", "kl_se", "entropy")
+
+
+class HeldOut:
+    """The held-out monitors of an alignment stage, one piece for PPO, DPO and GRPO so that all three are measured,
+    logged and recorded alike (``held_out_monitors`` does the sampling and the scoring).
+
+    * ``measure(tag)``: the monitors of the policy now, in eval mode (dropout off) and under the stage's autocast
+      (the precision of its updates, so scores and KL compare like with like), printed on one line;
+    * ``before(first_row)``: step 0, the SFT policy before any update, logged as the ``val_*`` of the step-0 metrics
+      row (beside the stage's own ``first_row()``, e.g. DPO's pair metrics); on ``--resume`` read back from that row;
+    * ``after(name, sft)``: the aligned policy's monitors, recorded with the SFT ones, the reward-hacking flag and
+      the settings they were sampled with (``settings``: what best-of-n must repeat to be compared with them).
+
+    Args:
+        stage: the stage's ``training.StageRun``; policy: the unwrapped policy (a ``GPTModel``); ref, reward_model:
+            the frozen SFT reference and RM; prompts: the held-out prompts; args: the stage's arguments
+            (``eval_samples``, ``max_new_tokens``, ``seed``).
+    """
+
+    def __init__(self, stage, policy, ref, reward_model, prompts, tokenizer, args, context_length: int):
+        self.stage, self.policy, self.ref, self.reward_model = stage, policy, ref, reward_model
+        self.prompts, self.tokenizer, self.args, self.context_length = prompts, tokenizer, args, context_length
+        self.judge = SentimentJudge()
+
+    @property
+    def settings(self) -> dict:
+        return {"prompts": list(self.prompts), "samples_per_prompt": self.args.eval_samples, "temperature": 1.0,
+                "max_new_tokens": self.args.max_new_tokens}
+
+    def measure(self, tag: str):
+        """(monitors, examples) of the policy as it is now; see ``held_out_monitors``."""
+        was_training = self.policy.training
+        self.policy.eval()
+        with self.stage.accelerator.autocast():
+            monitors, examples = held_out_monitors(self.policy, self.ref, self.reward_model, self.judge, self.prompts,
+                                                   self.tokenizer, self.args, self.context_length,
+                                                   self.stage.accelerator.device, self.args.seed)
+        self.policy.train(was_training)
+        self.stage.print(f"{tag} on {len(self.prompts)} held-out prompts x {self.args.eval_samples}: "
+                         f"{describe(monitors)}")
+        return monitors, examples
+
+    def before(self, first_row=None) -> dict:
+        """The SFT policy's monitors: measured and logged at step 0 (with ``first_row()``'s values, if given), read
+        back from the step-0 row after ``--resume``."""
+        if self.stage.step == 0:
+            row = first_row() if first_row is not None else {}
+            self.stage.log({**row, **as_val_row(self.measure("SFT policy")[0])})
+        return {k: v for k, v in from_val_row(self.stage.metrics.rows[0]).items() if k in MONITOR_KEYS}
+
+    def after(self, name: str, sft: dict, kl_limit: float = KL_LIMIT) -> dict:
+        """The aligned policy's monitors, recorded by ``record_held_out`` with ``settings``; returns them."""
+        monitors, examples = self.measure(f"{name.upper()} policy")
+        record_held_out(self.stage, name, sft, monitors, examples, self.args.eval_samples, kl_limit,
+                        held_out_settings=self.settings)
+        return monitors
 
 
 def add_held_out_arguments(p, stage: str) -> None:

@@ -71,6 +71,13 @@ def tokens_per_second(rows) -> float | None:
     return None
 
 
+def held_out_settings(metrics: dict) -> dict:
+    """How the aligners sampled their held-out answers (prompts, samples per prompt, temperature, longest answer):
+    the first alignment stage's record in ``metrics`` ({stage: its config's metrics}); {} when none has one. Every
+    aligner records the same settings (``alignment.HeldOut``), so best-of-n repeats them to be compared with all."""
+    return next((metrics[s]["held_out_settings"] for s in ALIGNED if metrics.get(s, {}).get("held_out_settings")), {})
+
+
 def held_out_section(metrics: dict, best_of_n: dict | None = None, times: dict | None = None) -> list[str]:
     """Markdown lines: SFT, best-of-n, PPO, DPO and GRPO on the held-out prompts (each alignment stage's final
     monitors in ``metrics[stage]``, best-of-n from ``generate.py --monitors``), each stage's wall time from
@@ -79,7 +86,7 @@ def held_out_section(metrics: dict, best_of_n: dict | None = None, times: dict |
     if not aligned:
         return []
     times = times or {}
-    settings = metrics.get("ppo", {}).get("held_out_settings", {})
+    settings = held_out_settings(metrics)
     sft = metrics[aligned[0]]["held_out"]["sft"]
     rows = [("SFT", sft, f"{sft['kl']:.2f}", "—")]
     best_of_n = best_of_n or {}

@@ -20,7 +20,7 @@ import re
 import numpy as np
 import torch
 
-from chinese_tokenizer import SEP_ID
+from chinese_tokenizer import SEP_ID, encode_batch, tokenizer_fingerprint
 from plumbing.cli import UserError
 from plumbing.documents import TextDocuments
 from plumbing.records import read_json_or_empty
@@ -28,18 +28,21 @@ from plumbing.records import read_json_or_empty
 
 def tokens_path(documents: TextDocuments, tokenizer, bos_id: int | None) -> str:
     """Where the token file of ``documents`` tokenized by ``tokenizer`` lives: in the ``datasets`` cache, named by
-    the documents' key, the tokenizer's vocabulary and the start token (its description sits beside it as .json)."""
+    the documents' key, everything that decides the tokenizer's ids (``tokenizer_fingerprint``: a tokenizer with the
+    same vocabulary but another normaliser gets another file), the start token and the encoding rule's version
+    (``TOKENS_VERSION``). Its description sits beside it as .json."""
     import hashlib
 
     import datasets
 
-    key = hashlib.sha256(f"{documents.key}|{_vocab_key(tokenizer)}|{bos_id}|v2".encode("utf-8")).hexdigest()[:24]
+    described = f"{documents.key}|{tokenizer_fingerprint(tokenizer)}|{bos_id}|{TOKENS_VERSION}"
+    key = hashlib.sha256(described.encode("utf-8")).hexdigest()[:24]
     return os.path.join(datasets.config.HF_DATASETS_CACHE, "gpt2-zh-tokens", f"{key}.bin")
 
 
-def _vocab_key(tokenizer) -> str:
-    """The whole vocabulary as one string, for the cache keys: another vocabulary gives other token files."""
-    return json.dumps(sorted(tokenizer.get_vocab().items()), ensure_ascii=False)
+# Bumped when the way documents become ids changes (v3: ``chinese_tokenizer.encode_batch``, special-token names in
+# a document are plain text), so that no older token file is read as a new one.
+TOKENS_VERSION = "v3"
 
 
 def description_path(path: str) -> str:
@@ -49,7 +52,8 @@ def description_path(path: str) -> str:
 
 def tokenize_to_file(documents: TextDocuments, tokenizer, path: str, bos_id: int | None, what: str) -> dict:
     """Tokenize ``documents`` as they are read (each followed by ``[SEP]``, preceded by ``bos_id`` if given), 1024
-    at a time (the fast tokenizer spreads each batch over the CPU's cores itself), and append the ids to a flat
+    at a time by the one rule of ``chinese_tokenizer.encode_batch`` (the fast tokenizer spreads each batch over
+    the CPU's cores itself), and append the ids to a flat
     file at ``path``: uint16 when the vocabulary fits (BERT-Chinese's 21128 does), else int32. A progress bar
     with an ETA follows the input bytes.
 
@@ -71,13 +75,14 @@ def tokenize_to_file(documents: TextDocuments, tokenizer, path: str, bos_id: int
             os.remove(stale)
     tmp = f"{path}.{os.getpid()}.tmp"
     info = {"dtype": dtype.name, "tokens": 0, "documents": 0}
-    lineage = hashlib.sha256(f"{documents.lineage}|{_vocab_key(tokenizer)}|{bos_id}".encode("utf-8")).hexdigest()[:24]
+    lineage = hashlib.sha256(f"{documents.lineage}|{tokenizer_fingerprint(tokenizer)}|{bos_id}".encode("utf-8")
+                             ).hexdigest()[:24]
     try:
         with open(tmp, "wb") as f, tqdm(total=documents.num_bytes, unit="B", unit_scale=True, dynamic_ncols=True,
                                         desc=f"tokenizing {what}") as bar:
             texts = documents.stream(bar.update)
             while batch := list(itertools.islice(texts, 1024)):
-                ids = tokenizer(batch, add_special_tokens=False)["input_ids"]
+                ids = encode_batch(batch, tokenizer)
                 flat = np.fromiter(itertools.chain.from_iterable(start + doc + [SEP_ID] for doc in ids), dtype=dtype)
                 f.write(flat.tobytes())
                 info["tokens"] += len(flat)

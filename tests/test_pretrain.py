@@ -119,6 +119,49 @@ def test_tokens_are_cached_on_disk_and_read_lazily(tokenizer, tmp_path, monkeypa
     assert len(left) == 4 and os.path.basename(edited.path) in left and os.path.basename(first.path) not in left
 
 
+def test_a_special_tokens_name_in_a_document_is_plain_text(tokenizer, tmp_path, monkeypatch):
+    """Pretraining documents become ids by the one rule of chinese_tokenizer.encode: a document that contains the
+    strings "[CLS]" or "[SEP]" gets their characters, not an end-of-text id in its middle."""
+    import datasets
+
+    from chinese_tokenizer import CLS_ID, SEP_ID, encode
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    path = tmp_path / "docs.jsonl"
+    path.write_text('{"text": "[CLS]你好吗[SEP]再见"}\n', encoding="utf-8")
+    blocks = PackedBlocks(load_text_documents([str(path)], "test"), tokenizer, block_len=2)
+    expected = encode("[CLS]你好吗[SEP]再见", tokenizer) + [SEP_ID]
+    assert blocks.tokens.tolist() == expected
+    assert CLS_ID not in expected and expected.count(SEP_ID) == 1  # only the separator the packing adds
+
+
+def test_the_token_cache_key_covers_the_tokenizers_normaliser(tokenizer, tmp_path, monkeypatch):
+    """A tokenizer with the same 21128-id vocabulary but lower-casing off gets its own token file, with its own ids
+    ("GPT" is [UNK] to it), not the lower-cased tokenizer's file."""
+    import datasets
+
+    from chinese_tokenizer import encode, load_tokenizer
+
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "cache"))
+    cased_dir = tmp_path / "cased"
+    tokenizer.save_pretrained(str(cased_dir))
+    config = json.loads((cased_dir / "tokenizer.json").read_text(encoding="utf-8"))
+    config["normalizer"]["lowercase"] = False
+    (cased_dir / "tokenizer.json").write_text(json.dumps(config, ensure_ascii=False), encoding="utf-8")
+    settings = json.loads((cased_dir / "tokenizer_config.json").read_text(encoding="utf-8"))
+    settings["do_lower_case"] = False  # BertTokenizerFast rebuilds its normaliser from this flag
+    (cased_dir / "tokenizer_config.json").write_text(json.dumps(settings, ensure_ascii=False), encoding="utf-8")
+    cased = load_tokenizer(str(cased_dir))
+    assert len(cased) == len(tokenizer) and encode("GPT你好", cased) != encode("GPT你好", tokenizer)
+    path = tmp_path / "docs.jsonl"
+    path.write_text('{"text": "GPT你好"}\n', encoding="utf-8")
+    lower = PackedBlocks(load_text_documents([str(path)], "test"), tokenizer, block_len=2)
+    upper = PackedBlocks(load_text_documents([str(path)], "test"), cased, block_len=2)
+    assert lower.path != upper.path
+    assert upper.tokens.tolist() == encode("GPT你好", cased) + [102]
+    assert lower.tokens.tolist() == encode("GPT你好", tokenizer) + [102]
+
+
 def test_parquet_jsonl_fields_and_datasets_give_the_same_tokens(tokenizer, tmp_path, monkeypatch):
     """The same three documents as .jsonl with another field, as .parquet, as a folder saved by datasets, and as
     a dataset folder laid out as on the Hub (split files under data/, rows chosen by slicing), all tokenize to what the {"text"} .jsonl

@@ -182,7 +182,7 @@ def test_stop_strings_end_the_text_before_them(client, policy, tokenizer):
     ({"messages": [{"role": "bot", "content": "hi"}]}, "BadRequestError", "use system, user or assistant"),
     ({"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]}, "BadRequestError",
      "'assistant' is due"),
-    ({"max_tokens": CONTEXT}, "BadRequestError", "beyond the model's context"),
+    ({"max_tokens": CONTEXT}, "BadRequestError", "this model's context is 1024 tokens, but the prompt has"),
     ({"temperature": -0.5}, "UnprocessableEntityError", "temperature"),
     ({"n": 100}, "UnprocessableEntityError", "n:"),
     ({"seed": 2 ** 70}, "UnprocessableEntityError", "seed:"),
@@ -286,6 +286,91 @@ def test_a_client_that_leaves_frees_its_slot_and_a_slow_one_blocks_nobody(server
         assert reply.choices[0].finish_reason in ("stop", "length")
     finally:
         slow.close()
+
+
+@pytest.mark.parametrize("message", [{"role": "user"}, {"role": "user", "content": None}])
+def test_a_message_without_content_is_a_400(client, message):
+    """{"role": "user"} is no message to answer; it used to be answered as the empty string."""
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model="sft", messages=[message], max_tokens=4)
+    assert "messages[0].content is missing" in caught.value.message
+
+
+@pytest.fixture(scope="module")
+def short_model():
+    """A random 2-layer chat model with a 64-token context, for prompts that do not fit."""
+    torch.manual_seed(1)
+    return GPTModel(GPTConfig(context_length=64, emb_dim=32, n_heads=2, n_layers=2, drop_rate=0.0)).eval()
+
+
+def test_a_prompt_that_does_not_fit_is_refused_not_cut(short_model, tokenizer):
+    """A 72-token prompt on a 64-token model gets a 400 naming its token count, max_tokens and the context, before
+    any generation, streamed or not (it used to be answered from its last 32 tokens); the completions endpoint too."""
+    from fastapi.testclient import TestClient
+
+    from serve import create_app
+
+    long_prompt = "好" * 70  # [CLS] + 70 + [ANS] = 72 tokens
+    assert len(chat_prompt_ids(long_prompt, tokenizer)) == 72
+    with TestClient(create_app(short_model, tokenizer, True, "short")) as http:
+        for stream in (False, True):
+            response = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": long_prompt}],
+                                                               "max_tokens": 8, "stream": stream})
+            assert response.status_code == 400, response.text
+            error = response.json()["error"]
+            assert all(words in error["message"] for words in ("64 tokens", "has 72", "max_tokens 8"))
+            assert error["code"] == "context_length_exceeded"
+        response = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "好" * 50}],
+                                                           "max_tokens": 20})
+        assert response.status_code == 400 and "has 52" in response.json()["error"]["message"]
+        response = http.post("/v1/completions", json={"prompt": "好" * 60, "max_tokens": 8})
+        assert response.status_code == 400 and "has 60" in response.json()["error"]["message"]
+        fits = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "好" * 50}],
+                                                       "max_tokens": 12, "temperature": 0})
+        assert fits.status_code == 200 and fits.json()["usage"]["prompt_tokens"] == 52
+
+
+def test_truncate_history_drops_whole_oldest_turns_and_keeps_the_system_text(short_model, tokenizer):
+    """With truncate_history the oldest (user, assistant) turns go, whole, until prompt + max_tokens fit; the system
+    text and the last user turn stay; a last turn that alone does not fit is still refused."""
+    from fastapi.testclient import TestClient
+
+    from serve import create_app
+
+    turns = [("system", "你是助手"), ("user", "一" * 12), ("assistant", "二" * 12), ("user", "三" * 12),
+             ("assistant", "四" * 12), ("user", "五" * 6)]
+    messages = [{"role": r, "content": c} for r, c in turns]
+    assert len(chat_messages_ids(turns, tokenizer)) + 16 > 64  # the whole conversation does not fit
+    kept = [turns[0]] + turns[3:]  # the system text, the newest exchange and the last question
+    assert len(chat_messages_ids(kept, tokenizer)) + 16 <= 64
+    with TestClient(create_app(short_model, tokenizer, True, "short")) as http:
+        refused = http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 16})
+        assert refused.status_code == 400 and "truncate_history: true" in refused.json()["error"]["message"]
+        reply = http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 16, "temperature": 0,
+                                                        "truncate_history": True})
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["usage"]["prompt_tokens"] == len(chat_messages_ids(kept, tokenizer))
+        alone = http.post("/v1/chat/completions", json={"messages": messages[:-1] + [
+            {"role": "user", "content": "好" * 60}], "max_tokens": 8, "truncate_history": True})
+        assert alone.status_code == 400 and "context_length_exceeded" == alone.json()["error"]["code"]
+
+
+@pytest.mark.slow
+def test_an_abandoned_request_stops_generating(server):
+    """A non-streamed request whose client leaves after 0.2 s ends its row at the next token: the generation thread
+    logs the row it stopped, long before max_tokens (it used to run every step for nobody)."""
+    url, _, log_path = server
+    body = {"model": "sft", "messages": [{"role": "user", "content": "走了"}], "temperature": 1.0, "top_k": 0,
+            "max_tokens": 999}
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(url + "/v1/chat/completions", json=body, timeout=0.2)
+    deadline = time.time() + 60
+    stopped = []
+    while time.time() < deadline and not stopped:
+        stopped = re.findall(r"stopped 1 row\(s\) whose client left, after (\d+) of 999 tokens", log_path.read_text())
+        time.sleep(0.1)
+    assert stopped, "the row of the client that left ran on: " + log_path.read_text()[-500:]
+    assert int(stopped[-1]) < 999
 
 
 def test_reward_ranks_the_choices(tiny_policy_and_rm, tokenizer):
