@@ -8,8 +8,9 @@ Put that implicit reward into the Bradley–Terry loss the RM uses and Z(x) canc
     loss = -log sigmoid(beta * [(log pi(y_c|x) - log pi_ref(y_c|x)) - (log pi(y_r|x) - log pi_ref(y_r|x))])
 
 Story of the stage: arguments → preference pairs (the RM's train/val split; the test split stays unseen) through
-the one chat template → the policy and a frozen reference, both from SFT → the loop (response-only log-probs of
-chosen and rejected answers, the DPO loss, AdamW through Accelerate; implicit-reward accuracy and margin on val
+the one chat template (both answers of a pair on the same prompt ids) → the policy and a frozen reference, both
+from SFT → the loop (response-only log-probs of chosen and rejected answers, dropout off in both models so that
+step 0 is exactly log 2, the DPO loss, AdamW through Accelerate; implicit-reward accuracy and margin on val
 every ``--eval_every`` steps) → the held-out monitors of SFT and DPO side by side, measured as PPO and GRPO
 measure theirs (the RM, which DPO never trains on, scores sampled answers; the independent judge, KL, length,
 [SEP] share, repetition) → checkpoint (a GPT, like SFT's, that ``generate.py`` reads).
@@ -22,7 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from chinese_tokenizer import apply_chat_template, load_tokenizer
+from chinese_tokenizer import SEP_ID, chat_prompt_ids, encode, load_tokenizer
 from plumbing.alignment import (
     HeldOut,
     add_held_out_arguments,
@@ -106,15 +107,35 @@ def dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta: flo
     return losses.mean(), chosen_rewards, rejected_rewards
 
 
-def encode_pairs(pairs, tokenizer, max_length: int) -> list[tuple]:
+def encode_pairs(pairs, tokenizer, max_length: int) -> tuple[list[tuple], int, int]:
     """Each (prompt, chosen, rejected) through the chat template: ((inputs, labels) chosen, (inputs, labels)
-    rejected), response-only labels (see ``corpus.chat_example``); the count of pairs that were cut comes second."""
-    encoded, cut = [], 0
+    rejected), response-only labels (see ``batching.chat_example``), both sides on the same prompt ids.
+
+    A pair longer than ``max_length`` positions is cut once for both sides: the prompt loses its start (or its
+    oldest turns, ``chat_prompt_ids``) until the longer response fits, the same prompt ids on either side, and only
+    then does a response that alone is too long lose its end. The DPO margin compares log pi(chosen | x) with
+    log pi(rejected | x): both must condition on the same x. A pair that cannot keep a response token on both sides
+    is dropped.
+
+    Returns:
+        (encoded pairs, the number of pairs that were cut, the number that were dropped).
+    """
+    limit = max_length + 1  # ids per side: the model reads all but the last (chat_example shifts by one)
+    encoded, cut, dropped = [], 0, 0
     for prompt, chosen, rejected in pairs:
-        sides = [apply_chat_template(prompt, answer, tokenizer, max_length + 1) for answer in (chosen, rejected)]
-        cut += any(truncated for _, _, truncated in sides)
-        encoded.append(tuple(chat_example(ids, mask) for ids, mask, _ in sides))
-    return encoded, cut
+        answers = [encode(answer, tokenizer) + [SEP_ID] for answer in (chosen, rejected)]
+        whole = chat_prompt_ids(prompt, tokenizer)  # [CLS] prompt [ANS]
+        longest = max(map(len, answers))
+        prompt_ids = whole if len(whole) + longest <= limit else chat_prompt_ids(prompt, tokenizer,
+                                                                                max(3, limit - longest))
+        room = limit - len(prompt_ids)  # what each response may keep
+        if room < 1:
+            dropped += 1
+            continue
+        cut += len(prompt_ids) < len(whole) or longest > room
+        encoded.append(tuple(chat_example(prompt_ids + answer[:room], [0] * len(prompt_ids) + [1] * len(answer[:room]))
+                             for answer in answers))
+    return encoded, cut, dropped
 
 
 def collate_pairs(items) -> dict:
@@ -163,10 +184,14 @@ def main(argv=None):
                         f"context)")
 
     # --- data: preference pairs through the chat template, [CLS] prompt [ANS] answer [SEP] ------------------------
-    train, cut = encode_pairs(read_preference_pairs(args.train_files, "--train_files"), tokenizer, args.max_length)
+    train, cut, dropped = encode_pairs(read_preference_pairs(args.train_files, "--train_files"), tokenizer,
+                                       args.max_length)
+    if dropped:
+        accelerator.print(f"warning: dropped {dropped} training pair(s) that keep no response token within "
+                          f"--max_length {args.max_length}; raise --max_length or shorten their prompts")
     val_pairs = read_preference_pairs(args.val_files, "--val_files")
-    val, _ = encode_pairs([val_pairs[i] for i in spread_subset(len(val_pairs), args.eval_examples)], tokenizer,
-                          args.max_length)
+    val, _, _ = encode_pairs([val_pairs[i] for i in spread_subset(len(val_pairs), args.eval_examples)], tokenizer,
+                             args.max_length)
     batches = length_grouped_batches([max(len(c[0]), len(r[0])) for c, r in train], args.batch_size)
     accelerator.print(f"train: {len(train)} pairs ({cut} cut to {args.max_length} tokens), {len(batches)} batches "
                       f"of <= {args.batch_size}; val: {len(val)} pairs; beta {args.beta}, {args.loss} loss")
@@ -191,7 +216,9 @@ def main(argv=None):
     # --- the loop ------------------------------------------------------------------------------------------------
     # step 0, the SFT model itself: policy == reference, so loss log 2, margin 0, every pair a tie (accuracy 50%)
     sft = held_out.before(first_row=evaluate_and_print)
-    policy.train()
+    # dropout off in both forwards, as TRL and the DPO authors' code do: the policy's log-probs are then a function
+    # of its weights alone, so step 0 (policy == reference) gives exactly log 2 and implicit rewards 0
+    policy.eval()
     for step in stage.steps():
         step_loss, step_accuracy, tokens = 0.0, 0.0, 0
         for micro in range(args.gradient_accumulation_steps):

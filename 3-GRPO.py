@@ -25,6 +25,7 @@ from plumbing.alignment import (
     HeldOut,
     add_held_out_arguments,
     as_val_row,
+    check_rewards,
     load_policy_and_reward,
     masked_mean,
     monitors_of,
@@ -82,7 +83,8 @@ def parse_args(argv=None):
     p.add_argument("--rollout_size", type=positive_int, help="prompts per iteration (per process)")
     p.add_argument("--group_size", type=positive_int, help="G, responses sampled per prompt (at least 2)")
     p.add_argument("--grpo_epochs", type=positive_int, default=1,
-                   help="passes over each iteration's samples (1: the ratio is 1 and the clip never acts)")
+                   help="passes over each iteration's samples; even with 1 the ratio is 1 only in the first minibatch "
+                        "(the later ones were sampled before the earlier updates), so the clip can act")
     p.add_argument("--kl_coef", type=non_negative_float,
                    help="beta, the weight of the per-token KL estimate to the reference (0.04 in the paper; default: "
                         "the preset's)")
@@ -99,16 +101,29 @@ def parse_args(argv=None):
 
 # --- the maths of GRPO, one function each ---------------------------------------------------------------------
 
-def group_advantages(scores, group_size: int, eps: float = 1e-6):
-    """Group-relative advantages (Shao et al. 2024, section 4.1.2): each response's score minus the mean of its
-    group, over the group's standard deviation (unbiased). The G responses to one prompt are G consecutive rows.
+# Below this spread (a standard deviation of the rewards, in float64) a group's responses count as scored alike: fp32
+# rounding alone makes eight equal RM scores of 0.35 differ by about 1e-8, which dividing by their spread would turn
+# into advantages of +-0.03; a verifier's all-right and all-wrong groups are alike exactly.
+FLAT_GROUP_STD = 1e-6
 
-    (B,) with B = n * G -> (B,). A group whose responses all score alike gets 0 everywhere: nothing to learn.
+
+def group_advantages(scores, group_size: int):
+    """Group-relative advantages (Shao et al. 2024, section 4.1.2): each response's score minus the mean of its
+    group, over the group's standard deviation (unbiased), computed in float64. The G responses to one prompt are
+    G consecutive rows.
+
+    A group whose standard deviation is below ``FLAT_GROUP_STD`` (every response scored alike, up to rounding) has
+    nothing to teach: its advantages are exactly 0, not rounding noise divided by a tiny spread.
+
+    Returns:
+        (advantages (B,) float32 with B = n * G, flat (n,) bool: the groups scored alike).
     """
-    grouped = scores.view(-1, group_size)  # (n, G)
+    grouped = scores.double().view(-1, group_size)  # (n, G)
     mean = grouped.mean(dim=1, keepdim=True)  # (n, 1)
     std = grouped.std(dim=1, keepdim=True)  # (n, 1)
-    return ((grouped - mean) / (std + eps)).view(-1)  # (B,)
+    flat = std < FLAT_GROUP_STD  # (n, 1)
+    advantages = torch.where(flat, 0.0, (grouped - mean) / torch.where(flat, 1.0, std))  # (n, G)
+    return advantages.view(-1).float(), flat.view(-1)
 
 
 def kl_k3(logprobs, ref_logprobs):
@@ -124,22 +139,28 @@ def grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask, cliprange:
     the response's group advantage, minus ``beta`` times the k3 KL to the reference; averaged over each response's
     real tokens, then over responses.
 
+    Padded positions are set aside with a select before any ``exp`` (``torch.where``, not a multiplication by the
+    mask): a padded log-prob far from the reference's would overflow ``exp``, and ``inf * 0`` is NaN, in the loss
+    and in every gradient.
+
     Args:
         logprobs: (B, R) log pi of the sampled tokens under the policy being updated (with gradient).
         old_logprobs, ref_logprobs: (B, R) the same under the sampling policy and the frozen reference.
         advantages: (B,) from ``group_advantages``; mask: (B, R) 1 on real response tokens, else 0.
     Returns:
-        (loss, clip_fraction, kl): the scalar loss, the share of real tokens whose ratio left [1 - eps, 1 + eps],
-        and the mean k3 estimate per token.
+        (loss, clip_fraction, kl): the scalar loss; the share of real tokens where the clip bounds the objective
+        (the clipped term is the smaller one, as PPO's ``clip_fraction`` counts: a ratio beyond 1 + eps with a
+        negative advantage is not clipped, the objective follows it); the mean k3 estimate per token.
     """
-    ratio = torch.exp(logprobs - old_logprobs)  # (B, R) pi / pi_old
+    real = mask.bool()
+    ratio = torch.exp(torch.where(real, logprobs - old_logprobs, 0.0))  # (B, R) pi / pi_old, 1 on padding
     a = advantages[:, None]  # (B, 1): one advantage for every token of the response
-    surrogate = torch.minimum(ratio * a, ratio.clamp(1 - cliprange, 1 + cliprange) * a)  # (B, R)
-    kl = kl_k3(logprobs, ref_logprobs)  # (B, R)
-    per_token = -(surrogate - beta * kl) * mask  # (B, R)
+    unclipped, clipped = ratio * a, ratio.clamp(1 - cliprange, 1 + cliprange) * a  # (B, R)
+    surrogate = torch.minimum(unclipped, clipped)  # (B, R)
+    kl = kl_k3(torch.where(real, logprobs, 0.0), torch.where(real, ref_logprobs, 0.0))  # (B, R), 0 on padding
+    per_token = torch.where(real, -(surrogate - beta * kl), 0.0)  # (B, R)
     loss = (per_token.sum(dim=1) / mask.sum(dim=1).clamp(min=1)).mean()
-    clipped = ((ratio - 1).abs() > cliprange).float()
-    return loss, masked_mean(clipped, mask), masked_mean(kl, mask)
+    return loss, masked_mean((clipped < unclipped).float(), mask), masked_mean(kl, mask)
 
 
 def main(argv=None):
@@ -177,8 +198,9 @@ def main(argv=None):
             data = rollout(unwrapped, ref, None, reward_model, group_prompts, tokenizer, args, context_length,
                            device)
         mask = data["response_mask"]  # (B, R)
+        check_rewards(data["scores"], group_prompts, stage.step + 1)  # a NaN score stops here, before any update
         scores = penalise_unfinished(data["scores"], data["ended"], args.no_eos_penalty)  # (B,)
-        advantages = group_advantages(scores, args.group_size)  # (B,)
+        advantages, flat = group_advantages(scores, args.group_size)  # (B,), (n,)
         monitors = monitors_of([data], held_out.judge, tokenizer)[0]
 
         P, n = data["prompt_len"], len(group_prompts)
@@ -197,7 +219,8 @@ def main(argv=None):
         loss, clip_fraction, kl_per_token = torch.stack(stats).mean(0).tolist()
         row = {"train_loss": stage.end_step(loss, tokens=int(data["attention_mask"].sum())),
                "score": monitors["rm_score"], **{k: monitors[k] for k in ROLLOUT_MONITORS},
-               "clip_fraction": clip_fraction, "kl_k3_per_token": kl_per_token}
+               "clip_fraction": clip_fraction, "kl_k3_per_token": kl_per_token,
+               "flat_groups": flat.float().mean().item()}  # the share of groups scored alike: nothing learnt there
         if stage.eval_due and not stage.completed:
             row.update(as_val_row(held_out.measure(f"iteration {stage.step}")[0]))
         stage.log(row, show=("score", "kl", "judge"))

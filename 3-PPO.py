@@ -44,6 +44,7 @@ from plumbing.alignment import (
     HeldOut,
     add_held_out_arguments,
     as_val_row,
+    check_rewards,
     load_policy_and_reward,
     masked_mean,
     monitors_of,
@@ -136,7 +137,7 @@ def masked_whiten(x, mask, eps: float = 1e-8):
 def kl_penalised_rewards(scores, logprobs, ref_logprobs, mask, kl_coef: float):
     """Per-token rewards (B, R): ``-kl_coef * (logprobs - ref_logprobs)`` on every real response token, plus the
     reward model's ``scores`` (B,) on each row's last real response token. Padding gets 0."""
-    rewards = -kl_coef * (logprobs - ref_logprobs) * mask  # (B, R)
+    rewards = torch.where(mask.bool(), -kl_coef * (logprobs - ref_logprobs), 0.0)  # (B, R)
     last = last_real_index(mask)  # (B,)
     return rewards.scatter_add(1, last[:, None], scores[:, None].to(rewards.dtype))
 
@@ -160,15 +161,18 @@ def gae(rewards, values, mask, gamma: float, lam: float):
 
 def ppo_losses(logprobs, old_logprobs, advantages, values, old_values, returns, mask, cliprange, cliprange_value):
     """The clipped surrogate policy loss (Schulman et al. 2017) and the clipped value loss, averaged over real
-    tokens. All inputs (B, R). Returns (policy_loss, value_loss, clip_fraction, approx_kl)."""
-    ratio = torch.exp(logprobs - old_logprobs)  # pi_new / pi_old
+    tokens. All inputs (B, R). Returns (policy_loss, value_loss, clip_fraction, approx_kl).
+
+    Padded positions are set aside before ``exp`` (a select: ``inf * 0`` would be NaN) and by ``masked_mean``."""
+    log_ratio = torch.where(mask.bool(), logprobs - old_logprobs, 0.0)  # (B, R), 0 on padding
+    ratio = torch.exp(log_ratio)  # pi_new / pi_old
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1 - cliprange, 1 + cliprange)
     policy_loss = masked_mean(torch.maximum(unclipped, clipped), mask)
     values_clipped = old_values + (values - old_values).clamp(-cliprange_value, cliprange_value)
     value_loss = 0.5 * masked_mean(torch.maximum((values - returns) ** 2, (values_clipped - returns) ** 2), mask)
     clip_fraction = masked_mean((clipped > unclipped).float(), mask)
-    approx_kl = masked_mean(0.5 * (logprobs - old_logprobs) ** 2, mask)
+    approx_kl = masked_mean(0.5 * log_ratio ** 2, mask)
     return policy_loss, value_loss, clip_fraction, approx_kl
 
 
@@ -238,6 +242,7 @@ def main(argv=None):
         with accelerator.autocast():  # policy, reference, critic and RM alike: KL is exactly 0 before any update
             data = rollout(unwrapped.policy, ref, unwrapped.critic, reward_model, batch_prompts, tokenizer, args,
                            context_length, device)
+        check_rewards(data["scores"], batch_prompts, stage.step + 1)  # a NaN score stops here, before any update
         mask = data["response_mask"]
         beta = stage.extra["kl_coef"]
         scores = penalise_unfinished(data["scores"], data["ended"], args.no_eos_penalty)

@@ -53,12 +53,13 @@ def sequence_logprobs(logits, labels):
     """
     keep = labels != -100  # (B, T)
     logp = token_logprobs(logits, labels.clamp(min=0))  # (B, T); ignored positions read id 0, then drop out
-    return (logp * keep).sum(dim=1)  # (B,)
+    return torch.where(keep, logp, 0.0).sum(dim=1)  # (B,); a select, so a non-finite ignored value cannot leak
 
 
 def masked_mean(x, mask):
-    """Mean of ``x`` over positions where ``mask`` is 1 (a scalar)."""
-    return (x * mask).sum() / mask.sum().clamp(min=1)
+    """Mean of ``x`` over positions where ``mask`` is 1 (a scalar). The other positions are set aside with a select,
+    not multiplied by 0: an inf or NaN there (a padded position's ratio) would make ``inf * 0 = NaN`` of the mean."""
+    return torch.where(mask.bool(), x, 0.0).sum() / mask.sum().clamp(min=1)
 
 
 def entropy_from_logits(logits):
@@ -72,7 +73,24 @@ def kl_per_response(logprobs, ref_logprobs, mask):
     log pi_ref(a_t) at the sampled tokens a_t. (B, R) x 3 -> (B,). Averaged over responses sampled from pi it is an
     unbiased estimate of the KL between the two models' distributions of whole responses; one response's value can
     be negative."""
-    return ((logprobs - ref_logprobs) * mask).sum(1)
+    return torch.where(mask.bool(), logprobs - ref_logprobs, 0.0).sum(1)
+
+
+def check_rewards(scores, prompts, iteration: int) -> None:
+    """Stop before any update when a reward is not finite: one NaN RM score would turn its group's advantages (GRPO)
+    or its response's returns (PPO) into NaN, which backward and an optimizer step would spread to every weight.
+
+    Args:
+        scores: (B,) rewards of the responses to ``prompts`` (one prompt per row).
+    Raises:
+        UserError: naming the first prompt whose answer got a non-finite reward and the iteration.
+    """
+    bad = (~torch.isfinite(scores)).nonzero()
+    if len(bad):
+        i = int(bad[0])
+        raise UserError(f"iteration {iteration}: the reward of the answer to prompt {shown_prompt(prompts[i])!r} is "
+                        f"{scores[i].item()} ({len(bad)} of {len(scores)} rewards are not finite); the reward model "
+                        f"(--reward) is broken: score a few texts with 2-RM.py --score to see, and retrain it")
 
 
 def penalise_unfinished(scores, ended, penalty: float):

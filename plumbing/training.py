@@ -321,6 +321,7 @@ class StageRun:
         self.files = {}  # {file name: fn(path)}: the stage's own files (e.g. samples.md), written at each save
         self.exit_code = None  # set when Ctrl-C/SIGTERM ended the loop
         self.lr = None  # the learning rate of the current step, set by steps()
+        self.bad_gradient = None  # the non-finite gradient norm of a step that backward() did not apply
         self.started = time.time()
         self._bar, self._tokens_at, self._time_at = None, 0, time.perf_counter()
         if args.resume:
@@ -382,10 +383,19 @@ class StageRun:
 
     def backward(self, loss) -> None:
         """Backward (Accelerate divides by the accumulation steps once), then on the last micro-batch of the step
-        clip the gradient norm to ``--max_grad_norm``, step the optimizer and zero the gradients."""
+        clip the gradient norm to ``--max_grad_norm``, step the optimizer and zero the gradients.
+
+        A gradient whose norm is not finite is never applied: the step is skipped (the weights stay as they were)
+        and ``end_step`` stops the run with a one-line error. The norm is of the synced gradients, the same on
+        every process, so all skip alike. (Under fp16, Accelerate's loss scaler handles overflows itself.)"""
         self.accelerator.backward(loss)
         if self.accelerator.sync_gradients:
-            self.accelerator.clip_grad_norm_(self.model.parameters(), self.args.max_grad_norm)
+            norm = self.accelerator.clip_grad_norm_(self.model.parameters(), self.args.max_grad_norm)
+            # under fp16 the loss scaler skips an overflowing step itself and lowers its scale: that is no error
+            if norm is not None and self.accelerator.scaler is None and not torch.isfinite(torch.as_tensor(norm)):
+                self.bad_gradient = float(norm)
+                self.optimizer.zero_grad()
+                return
         self.optimizer.step()  # Accelerate's optimizer steps only once the gradients are synced
         self.optimizer.zero_grad()
 
@@ -394,12 +404,17 @@ class StageRun:
         ``tokens`` (real tokens this process read) summed, in one collective; then the counters and the bar.
 
         Raises:
-            UserError: on every process alike, when the loss is not finite on any of them.
+            UserError: on every process alike, when the loss is not finite on any of them, or when ``backward``
+                skipped a step whose gradient was not finite.
         """
         values = torch.tensor([loss, float(tokens)], dtype=torch.float64, device=self.accelerator.device)
         if self.accelerator.num_processes > 1:
             values = self.accelerator.reduce(values, reduction="sum")  # NaN or inf anywhere makes the sum non-finite
         loss, tokens = values[0].item() / self.accelerator.num_processes, int(values[1].item())
+        if self.bad_gradient is not None:
+            raise UserError(f"the gradient norm became {self.bad_gradient} at step {self.step + 1} (the loss was "
+                            f"{loss:.4g}); that step was not applied; the last good checkpoint (if any) is in "
+                            f"{self.args.output_dir}; lower --learning_rate and start again")
         if not math.isfinite(loss):
             raise UserError(f"the training loss became {loss} at step {self.step + 1}; the last good checkpoint "
                             f"(if any) is in {self.args.output_dir}; lower --learning_rate and start again")

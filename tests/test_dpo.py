@@ -124,3 +124,41 @@ def test_the_three_aligners_measure_the_same_sft_policy(tmp_path, pairs, tiny_po
     sft = [json.loads((tmp_path / stage / "config.json").read_text(encoding="utf-8"))["metrics"]["held_out"]["sft"]
            for stage in ("dpo", "grpo", "ppo")]
     assert sft[0] == sft[1] == sft[2] and sft[0]["kl"] == 0.0
+
+
+def test_chosen_and_rejected_share_the_same_prompt_ids(tokenizer):
+    """A pair longer than max_length is cut once: the prompt, identically on both sides, for the longer answer; then
+    only the end of an answer that alone does not fit. (Each side used to be cut on its own: 11 prompt ids on one
+    side, 8 on the other.)"""
+    from chinese_tokenizer import ANSWER_ID, CLS_ID, SEP_ID, encode
+
+    prompt, chosen, rejected = "请" * 30, "好" * 10, "差" * 24
+    (c_in, c_labels), (r_in, r_labels) = DPO.encode_pairs([(prompt, chosen, rejected)], tokenizer, 32)[0][0]
+    c_prompt, r_prompt = c_in[:c_in.index(ANSWER_ID) + 1], r_in[:r_in.index(ANSWER_ID) + 1]
+    assert c_prompt == r_prompt and c_prompt[0] == CLS_ID
+    assert len(r_in) + 1 == 33  # the rejected side fills the 32 positions (+ its last label)
+    assert c_in[len(c_prompt):] + [c_labels[-1]] == encode(chosen, tokenizer) + [SEP_ID]  # the short answer is whole
+    assert len(c_prompt) == 33 - len(encode(rejected, tokenizer) + [SEP_ID])  # the prompt gave way for the longer one
+    encoded, cut, dropped = DPO.encode_pairs([(prompt, chosen, rejected), ("短", "好", "差")], tokenizer, 32)
+    assert (cut, dropped, len(encoded)) == (1, 0, 2)
+    # an answer longer than everything: the prompt keeps [CLS], one token and [ANS]; the answers lose their ends
+    (c_in, _), (r_in, _) = DPO.encode_pairs([(prompt, "好" * 50, rejected)], tokenizer, 32)[0][0]
+    assert c_in[:3] == r_in[:3] and c_in[2] == ANSWER_ID and len(c_in) == 32
+
+
+@pytest.mark.slow
+def test_step_0_is_exactly_log_2_whatever_the_dropout(tmp_path, pairs, tiny_policy_and_rm, prompts, tokenizer):
+    """With drop_rate 0.1 in the policy's config, the first training step's loss is exactly log 2 and its implicit
+    rewards are 0: both forwards run without dropout (it used to read 0.6807)."""
+    from plumbing.checkpoint import save_checkpoint
+
+    policy_dir, rm = tiny_policy_and_rm
+    model, _, config = load_checkpoint(str(policy_dir), "gpt")
+    dropout = type(model)(model.cfg.replace(drop_rate=0.1))
+    dropout.load_state_dict(model.state_dict())
+    save_checkpoint(str(tmp_path / "sft-dropout"), dropout, tokenizer, {"stage": "sft"})
+    out = tmp_path / "dpo"
+    assert DPO.main(dpo_args(pairs, (tmp_path / "sft-dropout", rm), prompts, out, "--max_steps", "2")) == 0
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text(encoding="utf-8").splitlines()]
+    assert rows[1]["step"] == 1 and rows[1]["train_loss"] == pytest.approx(math.log(2), abs=1e-6)
+    assert rows[1]["train_accuracy"] == 0.5  # every implicit reward 0: every pair a tie

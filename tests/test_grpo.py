@@ -14,10 +14,10 @@ GRPO = load_script("3-GRPO.py")
 
 def test_group_advantages_by_hand():
     scores = torch.tensor([1.0, 3.0, 2.0, 2.0, 5.0, 5.0])  # three groups of two
-    adv = GRPO.group_advantages(scores, 2)
+    adv = GRPO.group_advantages(scores, 2)[0]
     # group (1, 3): mean 2, unbiased std sqrt(2); group (2, 2) and (5, 5): no spread, no advantage
     assert adv.tolist() == pytest.approx([-1 / math.sqrt(2), 1 / math.sqrt(2), 0, 0, 0, 0], abs=1e-5)
-    adv4 = GRPO.group_advantages(torch.tensor([0.0, 1.0, 2.0, 3.0]), 4)  # mean 1.5, std sqrt(5/3)
+    adv4 = GRPO.group_advantages(torch.tensor([0.0, 1.0, 2.0, 3.0]), 4)[0]  # mean 1.5, std sqrt(5/3)
     assert adv4.tolist() == pytest.approx([(v - 1.5) / math.sqrt(5 / 3) for v in range(4)], abs=1e-5)
 
 
@@ -99,3 +99,105 @@ def test_grpo_end_to_end_and_exact_resume(tmp_path, tiny_policy_and_rm, prompts)
     assert GRPO.main(grpo_args(tiny_policy_and_rm, halves, prompts, "--stop_after", "2")) == 0
     assert GRPO.main(grpo_args(tiny_policy_and_rm, halves, prompts, "--resume")) == 0
     assert (straight / "model.safetensors").read_bytes() == (halves / "model.safetensors").read_bytes()
+
+
+def test_equal_rewards_give_exactly_zero_advantages_and_are_counted():
+    """Eight fp32 scores of 0.35 (or 0.7) differ only by rounding: their advantages are exactly 0, not rounding noise
+    over a tiny spread (|A| was 0.029 and 0.056), and the group counts as flat; a group with a real spread does not."""
+    for value in (0.35, 0.7):
+        scores = torch.cat([torch.full((8,), value, dtype=torch.float32), torch.arange(8, dtype=torch.float32)])
+        adv, flat = GRPO.group_advantages(scores, 8)
+        assert adv[:8].tolist() == [0.0] * 8 and flat.tolist() == [True, False]
+        assert adv[8:].tolist() == pytest.approx([(v - 3.5) / math.sqrt(6.0) for v in range(8)], abs=1e-6)
+    verifier = torch.tensor([1.0, 1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 0.0, 1.0, 0.0, 0.0, 0.0])  # right, wrong, mixed
+    assert GRPO.group_advantages(verifier, 4)[1].tolist() == [True, True, False]
+
+
+def test_a_padded_position_far_from_the_reference_leaks_no_nan():
+    """A padded position whose log-prob is -120 against the reference's -1 would overflow exp: the loss, its KL and
+    every gradient stay finite and equal to those without that position."""
+    logp = torch.tensor([[-1.0, -2.0, -120.0]], requires_grad=True)
+    old, ref = torch.tensor([[-1.0, -2.0, -1.0]]), torch.tensor([[-1.5, -2.0, -1.0]])
+    mask, adv = torch.tensor([[1.0, 1.0, 0.0]]), torch.tensor([1.0])
+    loss, clip_fraction, kl = GRPO.grpo_loss(logp, old, ref, adv, mask, 0.2, 0.5)
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(kl) and torch.isfinite(logp.grad).all()
+    short = logp.detach()[:, :2].clone().requires_grad_(True)
+    loss2, _, kl2 = GRPO.grpo_loss(short, old[:, :2], ref[:, :2], adv, mask[:, :2], 0.2, 0.5)
+    loss2.backward()
+    assert loss.item() == pytest.approx(loss2.item()) and kl.item() == pytest.approx(kl2.item())
+    assert logp.grad[0, 2] == 0 and torch.allclose(logp.grad[:, :2], short.grad)
+    ppo = load_script("3-PPO.py")
+    values = torch.zeros(1, 3)
+    losses = ppo.ppo_losses(logp.detach(), old, torch.ones(1, 3), values, values, values, mask, 0.2, 0.2)
+    assert all(torch.isfinite(x) for x in losses)
+
+
+def test_clip_fraction_counts_where_the_clip_bounds_the_objective_as_ppo_does():
+    """Four tokens with ratios e^0.5, e^0.5, e^-0.5, 1 and advantages +1, -1, -1, +1: the clip binds on the first
+    (ratio too high, A > 0) and the third (ratio too low, A < 0), 2 of 4, as PPO's ppo_losses counts; the second
+    has left [0.8, 1.2] but the objective follows its ratio there."""
+    logp = torch.tensor([[0.5, 0.5, -0.5, 0.0]])
+    old = torch.zeros(1, 4)
+    ppo = load_script("3-PPO.py")
+    zeros, adv_tokens = torch.zeros(1, 4), torch.tensor([[1.0, -1.0, -1.0, 1.0]])
+    _, _, ppo_fraction, _ = ppo.ppo_losses(logp, old, adv_tokens, zeros, zeros, zeros, torch.ones(1, 4), 0.2, 0.2)
+    per_token = []  # GRPO has one advantage per response: each token on its own, as a response of one token
+    for j in range(4):
+        m = torch.zeros(1, 4)
+        m[0, j] = 1
+        per_token.append(GRPO.grpo_loss(logp, old, old, adv_tokens[0, j:j + 1], m, 0.2, 0.0)[1].item())
+    assert ppo_fraction.item() == pytest.approx(0.5) and sum(per_token) == 2 and per_token == [1, 0, 1, 0]
+
+
+@pytest.mark.slow
+def test_a_nan_reward_stops_the_run_before_any_update(tmp_path, tiny_policy_and_rm, prompts, monkeypatch, capsys):
+    """One NaN RM score stops GRPO with a one-line error naming the prompt, before backward and the optimizer step
+    (which used to spread it to every weight): no checkpoint is written."""
+    import plumbing.alignment as alignment
+    from plumbing.cli import run
+
+    real = alignment.rollout
+
+    def nan_rollout(*args, **kwargs):
+        data = real(*args, **kwargs)
+        if len(data["scores"]) == 16:  # the training rollouts (4 prompts x 4), not the held-out monitors
+            data["scores"][5] = float("nan")
+        return data
+
+    monkeypatch.setattr(GRPO, "rollout", nan_rollout)
+    stepped = []
+    monkeypatch.setattr(torch.optim.AdamW, "step", lambda self, *a, **k: stepped.append(1))
+    with pytest.raises(SystemExit) as exit_:
+        run(GRPO.main, grpo_args(tiny_policy_and_rm, tmp_path / "nan", prompts))
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    err = err[err.index("error: "):]  # after the progress bar's \r
+    assert exit_.value.code == 2 and err.startswith("error: iteration 1: the reward of the answer to prompt")
+    assert "nan" in err and not stepped and not (tmp_path / "nan" / "config.json").exists()
+
+
+def test_a_non_finite_gradient_is_never_applied(tmp_path):
+    """StageRun.backward skips the optimizer step of a gradient whose norm is inf, and end_step then stops the run
+    with a one-line error: the weights are the ones before that step."""
+    import types
+
+    from accelerate import Accelerator
+
+    from plumbing.cli import UserError
+    from plumbing.training import StageRun
+
+    accelerator = Accelerator(cpu=True)
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    args = types.SimpleNamespace(output_dir=str(tmp_path), resume=False, max_steps=2, stop_after=None,
+                                 save_every=None, eval_every=2, max_grad_norm=1.0, learning_rate=0.1, warmup_steps=0)
+    stage = StageRun("test", args, accelerator, model, optimizer, None, {}, plot=("c.png", []))
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(UserError, match=r"^the gradient norm became (inf|nan) at step 1 .* was not applied"):
+        for _ in stage.steps():
+            with stage.accumulate():
+                loss = (model(torch.tensor([[1.0, 2.0]])) * float("inf")).sum()
+                stage.backward(loss)
+            stage.end_step(1.0)
+    assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
