@@ -44,7 +44,8 @@ SAMPLE_PROMPT = "中国"
 
 def parse_args(argv=None):
     p = stage_parser("Stage 0: pretrain a GPT-2 on Chinese text (next-token prediction).",
-                     default_path("checkpoints", "pretrain"), DEFAULTS, examples="validation blocks of text", new_model=True)
+                     default_path("checkpoints", "pretrain"), DEFAULTS, examples="validation blocks of text",
+                      new_model=True)
     p.add_argument("--train_files", nargs="+", default=[default_path("data", "pretrain", "train.jsonl")],
                    help=".txt (documents separated by blank lines), .jsonl/.json/.parquet (the text in --text_field) "
                         "files, folders or globs, or a datasets dataset: a Hub name as NAME, NAME:SPLIT or "

@@ -68,7 +68,8 @@ def parse_args(argv=None):
     p.add_argument("--objective", default="pairwise", choices=["pairwise", "pointwise"],
                    help="pairwise: -log sigmoid(r_chosen - r_rejected); pointwise: binary cross-entropy on labels")
     p.add_argument("--head_lr_scale", type=positive_float,
-                   help="the new scalar head's learning rate is --learning_rate times this (the backbone is pretrained)")
+                   help="the new scalar head's learning rate is --learning_rate times this (the backbone is "
+                         "pretrained)")
     p.add_argument("--embedding_lr_scale", type=positive_float,
                    help="the embedding tables' learning rate is --learning_rate times this: the RM learns which "
                         "tokens read as good or bad mostly there")
@@ -193,6 +194,56 @@ def score_main(args) -> int:
 
 # --- training --------------------------------------------------------------------------------------------------------
 
+class Pairwise:
+    """The pairwise objective (the default): (chosen, rejected) pairs, both sides in one forward pass, the
+    Bradley–Terry ``pairwise_loss``; a pair counts as right when the chosen side scores higher."""
+
+    what = "pairs"
+
+    @staticmethod
+    def examples(args, encode):
+        """(chosen ids, rejected ids) per pair, the number of pairs cut to --max_length, each pair's longer side."""
+        encoded = [(encode(p, c), encode(p, r)) for p, c, r in read_preference_pairs(args.train_files, "--train_files")]
+        train = [(c[0], r[0]) for c, r in encoded]
+        return train, sum(c[2] or r[2] for c, r in encoded), [max(len(c), len(r)) for c, r in train]
+
+    @staticmethod
+    def collate(items) -> dict:
+        """Chosen rows then rejected rows: one right-padded (2b, T) batch."""
+        return pad_right([c for c, _ in items] + [r for _, r in items])
+
+    @staticmethod
+    def loss_and_accuracy(rewards, batch):
+        r_chosen, r_rejected = rewards.chunk(2)  # (b,), (b,): the collate put chosen rows first
+        return pairwise_loss(r_chosen, r_rejected), pairs_ranked_right(r_chosen, r_rejected) / len(r_chosen)
+
+
+class Pointwise:
+    """The pointwise objective (``--objective pointwise``): texts labelled good (1) or bad (0), ``pointwise_loss``;
+    a text counts as right when the sign of its reward is its label."""
+
+    what = "texts"
+
+    @staticmethod
+    def examples(args, encode):
+        """(ids, label) per text, the number cut to --max_length, each one's length."""
+        encoded = [(encode(p, t), label) for p, t, label in read_labelled(args.train_files, "--train_files")]
+        train = [(e[0], label) for e, label in encoded]
+        return train, sum(e[2] for e, _ in encoded), [len(ids) for ids, _ in train]
+
+    @staticmethod
+    def collate(items) -> dict:
+        """One right-padded (b, T) batch and its (b,) labels."""
+        return {**pad_right([ids for ids, _ in items]), "labels": torch.tensor([label for _, label in items])}
+
+    @staticmethod
+    def loss_and_accuracy(rewards, batch):
+        return pointwise_loss(rewards, batch["labels"]), ((rewards > 0).float() == batch["labels"]).float().mean()
+
+
+OBJECTIVES = {"pairwise": Pairwise, "pointwise": Pointwise}
+
+
 def build_model(args, tokenizer):
     """A ``RewardModel`` whose backbone holds the --init weights (its head is new); returns (model, parent meta)."""
     backbone, parent = load_backbone(args.init, "--init", tokenizer, "1-SFT.py", kind="backbone")
@@ -234,18 +285,8 @@ def main(argv=None):
     def encode(prompt, response):
         return apply_chat_template(prompt, response, tokenizer, args.max_length)
 
-    if args.objective == "pairwise":
-        rows = read_preference_pairs(args.train_files, "--train_files")
-        encoded = [(encode(p, c), encode(p, r)) for p, c, r in rows]
-        train = [(c[0], r[0]) for c, r in encoded]  # (chosen ids, rejected ids)
-        truncated = sum(c[2] or r[2] for c, r in encoded)
-        lengths = [max(len(c), len(r)) for c, r in train]
-    else:
-        rows = read_labelled(args.train_files, "--train_files")
-        encoded = [(encode(p, t), label) for p, t, label in rows]
-        train = [(e[0], label) for e, label in encoded]  # (ids, label)
-        truncated = sum(e[2] for e, _ in encoded)
-        lengths = [len(ids) for ids, _ in train]
+    objective = OBJECTIVES[args.objective]
+    train, truncated, lengths = objective.examples(args, encode)
     val = read_preference_pairs(args.val_files, "--val_files")
     val = [val[i] for i in spread_subset(len(val), args.eval_examples)]  # a fixed subset keeps evaluations short
     test_files = expand_files(args.test_files, "--test_files")  # fail now, not after training
@@ -253,17 +294,9 @@ def main(argv=None):
     # schedule shuffles whole batches (so the order is still a pure function of (seed, step) and --resume is exact).
     batches = length_grouped_batches(lengths, args.batch_size)
     schedule = BatchSchedule(len(batches), 1, args.gradient_accumulation_steps, accelerator.num_processes, args.seed)
-    accelerator.print(f"train: {len(train)} {'pairs' if args.objective == 'pairwise' else 'texts'} "
-                      f"({truncated} cut to {args.max_length} tokens); val: {len(val)} pairs; "
-                      f"{sum(p.numel() for p in model.parameters()):,} parameters; "
+    accelerator.print(f"train: {len(train)} {objective.what} ({truncated} cut to {args.max_length} tokens); val: "
+                      f"{len(val)} pairs; {sum(p.numel() for p in model.parameters()):,} parameters; "
                       f"global batch {args.batch_size * schedule.global_batch_size}")
-
-    def collate(batch_number: int) -> dict:
-        """Pairwise: chosen rows then rejected rows, one right-padded (2b, T) batch; pointwise: (b, T) + labels."""
-        items = [train[i] for i in batches[batch_number]]
-        if args.objective == "pairwise":
-            return pad_right([c for c, _ in items] + [r for _, r in items])
-        return {**pad_right([ids for ids, _ in items]), "labels": torch.tensor([label for _, label in items])}
 
     # --- optimizer, Accelerate, and the stage's plumbing (which resumes a run given --resume) -------------------------
     optimizer = make_optimizer(model.backbone, args.learning_rate, args.weight_decay,
@@ -281,17 +314,11 @@ def main(argv=None):
     for step in stage.steps():
         step_loss, step_accuracy, tokens = 0.0, 0.0, 0
         for micro in range(args.gradient_accumulation_steps):
-            batch = {k: v.to(accelerator.device)
-                     for k, v in collate(schedule.indices(step, micro, accelerator.process_index)[0]).items()}
+            items = [train[i] for i in batches[schedule.indices(step, micro, accelerator.process_index)[0]]]
+            batch = {k: v.to(accelerator.device) for k, v in objective.collate(items).items()}
             with stage.accumulate():
                 rewards = model(batch["input_ids"], batch["attention_mask"])["rewards"]  # (2b,) or (b,)
-                if args.objective == "pairwise":
-                    r_chosen, r_rejected = rewards.chunk(2)  # (b,), (b,): the collate put chosen rows first
-                    loss = pairwise_loss(r_chosen, r_rejected)
-                    correct = pairs_ranked_right(r_chosen, r_rejected) / len(r_chosen)
-                else:
-                    loss = pointwise_loss(rewards, batch["labels"])
-                    correct = ((rewards > 0).float() == batch["labels"]).float().mean()
+                loss, correct = objective.loss_and_accuracy(rewards, batch)
                 stage.backward(loss)
             step_loss += loss.item() / args.gradient_accumulation_steps
             step_accuracy += correct.item() / args.gradient_accumulation_steps

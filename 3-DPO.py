@@ -231,7 +231,8 @@ def main(argv=None):
                                                   args.beta, args.loss)
                 stage.backward(loss)
             step_loss += loss.item() / args.gradient_accumulation_steps
-            step_accuracy += pairs_ranked_right(chosen, rejected).item() / len(chosen) / args.gradient_accumulation_steps
+            right = pairs_ranked_right(chosen, rejected).item() / len(chosen)
+            step_accuracy += right / args.gradient_accumulation_steps
             tokens += int(batch["attention_mask"].sum())
         row = {"train_loss": stage.end_step(step_loss, tokens), "train_accuracy": step_accuracy}
         if stage.eval_due:

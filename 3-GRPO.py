@@ -205,7 +205,7 @@ def main(argv=None):
 
         P, n = data["prompt_len"], len(group_prompts)
         stats = []
-        for epoch in range(args.grpo_epochs):
+        for _ in range(args.grpo_epochs):
             order = torch.randperm(n)
             for start in range(0, n, args.batch_size):
                 idx = order[start:start + args.batch_size].to(device)

@@ -255,7 +255,7 @@ def main(argv=None):
 
         P, n = data["prompt_len"], len(batch_prompts)
         stats = []  # one row per minibatch: policy_loss, value_loss, clip_fraction, approx_kl
-        for epoch in range(args.ppo_epochs):
+        for epoch in range(args.ppo_epochs):  # noqa: B007 (read after the loop: how many epochs ran)
             order = torch.randperm(n)
             for start in range(0, n, args.batch_size):
                 idx = order[start:start + args.batch_size].to(device)

@@ -1,6 +1,6 @@
 """Generate text from any stage's checkpoint: one prompt, a file of prompts, or an interactive session.
 
-    python generate.py --prompt "中国的首都是"                     # the furthest stage found: ppo, else sft, else pretrain
+    python generate.py --prompt "中国的首都是"                     # the furthest stage: ppo, else sft, else pretrain
     python generate.py --checkpoint checkpoints/pretrain --prompt "今天天气" --temperature 0
     python generate.py --prompts_file prompts.jsonl --output answers.jsonl
     python generate.py --reward checkpoints/rm --num_samples 8 --prompt "写一条好评："   # best-of-8 by the RM
@@ -24,18 +24,17 @@ token; several samples come at the end, separated by a blank line), or
 one JSON line per answer, ``{"prompt", "response"}`` plus ``"score"`` with ``--reward``, for ``--prompts_file``;
 everything else (which checkpoint, truncation notes, the scores of all samples) goes to stderr.
 
-Sampling: ``--temperature 0`` is greedy decoding; otherwise softmax sampling after ``--top_k`` / ``--top_p``
-filtering and ``--repetition_penalty``. The ``--num_samples`` samples of one prompt are drawn in one batched
-``generate`` call. Each prompt of ``--prompt``/``--prompts_file`` starts from the generator seeded with a hash of
-``--seed`` and the prompt (``prompt_seed``), so an answer in a file run is the answer the same prompt gets alone and
-no two prompts share their random draws (best-of-n's samples are independent across prompts); the interactive
-session is seeded once, so asking again gives a new sample. With ``--reward DIR`` each sample is scored by the reward model on
-``[CLS] prompt [ANS] response [SEP]`` (the text it was trained on) and the best one is kept (best-of-n).
-``--monitors FILE`` then writes, for best-of-k with k = 1, 2, 4, ... up to n (the best of each prompt's first k
-samples, so one run of n samples measures every k), the monitors of the kept answers (``judge.summarize``: RM
-score, the independent judge, distinct-2, longest repeated run, share ending with [SEP], length) and best-of-k's KL
-to the sampling model, ``log k - (k - 1) / k``: the no-training baselines that the alignment stages' held-out
-monitors are compared with.
+Sampling: ``--temperature 0`` is greedy decoding; otherwise softmax sampling after ``--top_k`` / ``--top_p`` filtering
+and ``--repetition_penalty``. The ``--num_samples`` samples of one prompt are drawn in one batched ``generate`` call.
+Each prompt of ``--prompt``/``--prompts_file`` starts from the generator seeded with a hash of ``--seed`` and the prompt
+(``prompt_seed``), so an answer in a file run is the answer the same prompt gets alone and no two prompts share their
+random draws (best-of-n's samples are independent across prompts); the interactive session is seeded once, so asking
+again gives a new sample. With ``--reward DIR`` each sample is scored by the reward model on ``[CLS] prompt [ANS]
+response [SEP]`` (the text it was trained on) and the best one is kept (best-of-n). ``--monitors FILE`` then writes, for
+best-of-k with k = 1, 2, 4, ... up to n (the best of each prompt's first k samples, so one run of n samples measures
+every k), the monitors of the kept answers (``judge.summarize``: RM score, the independent judge, distinct-2, longest
+repeated run, share ending with [SEP], length) and best-of-k's KL to the sampling model, ``log k - (k - 1) / k``: the
+no-training baselines that the alignment stages' held-out monitors are compared with.
 """
 
 from __future__ import annotations
@@ -88,7 +87,8 @@ def parse_args(argv=None):
     p.add_argument("--overwrite", action="store_true", help="replace an existing --output file")
     p.add_argument("--system", help="a system text before each prompt of a chat checkpoint ([CLS] system [SEP] "
                                     "prompt [ANS]), e.g. the one it was fine-tuned with (1-SFT.py --system)")
-    p.add_argument("--raw", action="store_true", help="continue the prompt text as is, even for a chat (SFT/PPO/DPO/GRPO) checkpoint")
+    p.add_argument("--raw", action="store_true",
+                   help="continue the prompt text as is, even for a chat (SFT/PPO/DPO/GRPO) checkpoint")
     p.add_argument("--max_new_tokens", type=positive_int, default=100, help="most tokens generated per answer")
     p.add_argument("--temperature", type=non_negative_float, default=0.8, help="0 means greedy decoding")
     p.add_argument("--top_k", type=non_negative_int, default=50, help="sample among the k likeliest tokens (0: all)")
@@ -129,7 +129,7 @@ def prompt_seed(seed: int, prompt) -> int:
     """The seed a prompt's samples are drawn with: a hash of ``seed`` and the prompt (text or conversation), so the
     same prompt gets the same answer alone or anywhere in a file, and different prompts get independent draws."""
     text = prompt if isinstance(prompt, str) else json.dumps(prompt, ensure_ascii=False)
-    digest = hashlib.sha256(f"{seed}\0{text}".encode("utf-8")).digest()
+    digest = hashlib.sha256(f"{seed}\0{text}".encode()).digest()
     return int.from_bytes(digest[:8], "little") >> 1  # 63 bits: any value torch.manual_seed takes
 
 

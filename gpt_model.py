@@ -65,14 +65,14 @@ class GPTConfig:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "GPTConfig":
+    def from_dict(cls, d: dict) -> GPTConfig:
         """Build from a dict (e.g. a checkpoint's config.json); unknown keys raise ``ValueError``."""
         unknown = set(d) - set(cls.__dataclass_fields__)
         if unknown:
             raise ValueError(f"unknown GPTConfig fields: {sorted(unknown)}")
         return cls(**d)
 
-    def replace(self, **changes) -> "GPTConfig":
+    def replace(self, **changes) -> GPTConfig:
         return replace(self, **changes)
 
 

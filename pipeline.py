@@ -289,7 +289,8 @@ def compute_baselines(args) -> dict:
     pretrain, context = load_stage_defaults("0-PRETRAIN.py")[args.preset], get_preset(args.preset).context_length
     result = counting_baselines(load_tokenizer(default_path("data", "tokenizer")), files["pretrain"], files["sft"],
                                 files["rm"], pretrain.get("context_length", context), context,
-                                pretrain["eval_examples"], load_stage_defaults("1-SFT.py")[args.preset]["eval_examples"])
+                                pretrain["eval_examples"],
+                                load_stage_defaults("1-SFT.py")[args.preset]["eval_examples"])
     print(f"counting baselines: token bigram {result['bigram_val_loss']:.3f} nats/token on pretrain val, "
           f"response bigram {result['response_bigram_val_loss']:.3f} on SFT val, naive Bayes "
           f"{result['naive_bayes_test_accuracy']:.1%} on the RM test pairs ({time.time() - t0:.0f} s)", flush=True)

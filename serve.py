@@ -16,25 +16,26 @@ front end can talk to the model (``base_url="http://127.0.0.1:8000/v1"``, any ap
 * ``POST /v1/completions``: plain continuation of ``prompt`` (a string or a list of strings), for any checkpoint.
 * ``GET /``: the chat page (``web/chat.html``: plain HTML and JavaScript, nothing fetched from elsewhere).
 
-Defaults where a request says nothing: temperature 0.8 and top-k 50 (``generate.py``'s; greedy text from a small
-model loops), ``max_tokens`` half the model's context (or what the prompt leaves of it). A prompt is never cut
-silently: when it does not fit with ``max_tokens`` the request gets a 400 naming both counts and the context, as
-OpenAI's API answers; a chat request may instead send ``truncate_history: true`` (an extension) to drop its oldest
-whole (user, assistant) turns, never the system text and never part of a turn. With ``--reward DIR`` every choice carries the reward
-model's score as ``"reward"`` (an extension field) and a non-streamed reply lists its ``n`` choices best first
-(best-of-n); in a stream each choice's last chunk carries its score.
+Defaults where a request says nothing: temperature 0.8 and top-k 50 (``generate.py``'s; greedy text from a small model
+loops), ``max_tokens`` half the model's context (or what the prompt leaves of it). A prompt is never cut silently: when
+it does not fit with ``max_tokens`` the request gets a 400 naming both counts and the context, as OpenAI's API answers;
+a chat request may instead send ``truncate_history: true`` (an extension) to drop its oldest whole (user, assistant)
+turns, never the system text and never part of a turn. With ``--reward DIR`` every choice carries the reward model's
+score as ``"reward"`` (an extension field) and a non-streamed reply lists its ``n`` choices best first (best-of-n); in a
+stream each choice's last chunk carries its score.
 
-How requests are run: one generation thread owns the model. Requests queue for it; those that arrive together
-and sample alike (same temperature, top-k, top-p, no seed) run as one left-padded batch of up to ``MAX_BATCH``
-rows through ``gpt_model.generate`` with the KV cache, each row ending at its own [SEP], stop string or
-``max_tokens``. Tokens go to each request's own queue, so a slow reader never holds up the thread or the others'
-streams; a client who disconnects ends its rows at the next token (a streamed one when its stream closes, a
-non-streamed one when the waiting request sees the disconnect, polled every ``DISCONNECT_POLL_S``). A request with a ``seed`` runs alone, right
-after seeding torch's generator, so the same request gives the same answer.
+How requests are run: one generation thread owns the model. Requests queue for it; those that arrive together and sample
+alike (same temperature, top-k, top-p, no seed) run as one left-padded batch of up to ``MAX_BATCH`` rows through
+``gpt_model.generate`` with the KV cache, each row ending at its own [SEP], stop string or ``max_tokens``. Tokens go to
+each request's own queue, so a slow reader never holds up the thread or the others' streams; a client who disconnects
+ends its rows at the next token (a streamed one when its stream closes, a non-streamed one when the waiting request sees
+the disconnect, polled every ``DISCONNECT_POLL_S``). A request with a ``seed`` runs alone, right after seeding torch's
+generator, so the same request gives the same answer.
 
-Errors come back as OpenAI error objects, ``{"error": {"message", "type", "param", "code"}}``: 400 for a body that
-is not JSON or a request the model cannot serve (empty ``messages``, a message without ``content``, a role out of
-order, a prompt and ``max_tokens`` longer than the context), 404 for an unknown model or path, 422 for a field of the wrong type or range (``temperature`` < 0).
+Errors come back as OpenAI error objects, ``{"error": {"message", "type", "param", "code"}}``: 400 for a body that is
+not JSON or a request the model cannot serve (empty ``messages``, a message without ``content``, a role out of order, a
+prompt and ``max_tokens`` longer than the context), 404 for an unknown model or path, 422 for a field of the wrong type
+or range (``temperature`` < 0).
 """
 
 from __future__ import annotations
@@ -717,7 +718,8 @@ def main(argv=None):
     app = create_app(model, tokenizer, chat, model_id, reward_model)
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
-    log(f"serving {model_id!r} ({'chat' if chat else 'plain continuation'}) on {device}, {weight_dtype(model)} weights: "
+    kind = "chat" if chat else "plain continuation"
+    log(f"serving {model_id!r} ({kind}) on {device}, {weight_dtype(model)} weights: "
         f"chat page http://{shown}:{port}/ , API http://{shown}:{port}/v1 ; Ctrl-C stops")
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
     server.run(sockets=[sock])

@@ -1,15 +1,16 @@
 """The counting baselines on the project's own splits, in seconds (see ``baselines.py`` for the models).
 
-    .venv/bin/python bench/baselines.py                 # token bigrams on data/pretrain and data/sft, naive Bayes on data/rm
+    .venv/bin/python bench/baselines.py    # token bigrams on data/pretrain and data/sft, naive Bayes on data/rm
     .venv/bin/python bench/baselines.py --block_len 256 --eval_examples 48   # the blocks of an older demo
 
 Pretraining: the bigram is fitted on the --train_files token stream (documents joined by [SEP], as
 ``corpus.PackedBlocks`` joins them) and scored on the --val_files predictions that 0-PRETRAIN's validation loss uses:
 every whole block of --block_len predictions, and the evenly spread subset of --eval_examples blocks that the stage
-evaluates (``training.spread_subset``). SFT: a bigram counted on the --sft_train responses' predictions (the
-``[ANS]`` before the first response token, each response token before the next, the last before ``[SEP]``), scored
-on the response tokens of the --sft_val pairs, all of them and 1-SFT's --sft_eval_examples subset. Reward model: naive Bayes fitted on the --rm_train pairs (chosen = good,
-rejected = bad), pair accuracy on the --rm_test pairs. Deterministic: nothing is sampled.
+evaluates (``training.spread_subset``). SFT: a bigram counted on the --sft_train responses' predictions (the ``[ANS]``
+before the first response token, each response token before the next, the last before ``[SEP]``), scored on the response
+tokens of the --sft_val pairs, all of them and 1-SFT's --sft_eval_examples subset. Reward model: naive Bayes fitted on
+the --rm_train pairs (chosen = good, rejected = bad), pair accuracy on the --rm_test pairs. Deterministic: nothing is
+sampled.
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ import time
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)  # first, so that `import baselines` is the repository's module and not this script
-from plumbing.baselines import BigramLM, NaiveBayes, pair_accuracy, unigram_cross_entropy  # noqa: E402
-from plumbing.cli import ArgumentParser, default_path, positive_int, run  # noqa: E402
+from plumbing.baselines import BigramLM, NaiveBayes, pair_accuracy, unigram_cross_entropy
+from plumbing.cli import ArgumentParser, default_path, positive_int, run
 
 
 def parse_args(argv=None):

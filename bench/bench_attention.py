@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from gpt_model import attention_reference, causal_mask, fused_attention  # noqa: E402
+from gpt_model import attention_reference, causal_mask, fused_attention
 
 
 def cpu_name() -> str:

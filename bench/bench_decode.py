@@ -30,10 +30,10 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from bench_attention import cpu_name  # noqa: E402
+from bench_attention import cpu_name
 
-from gpt_model import GPTModel, apply_rope, generate, get_preset, rope_angles  # noqa: E402
-from plumbing.cli import HelpFormatter  # noqa: E402
+from gpt_model import GPTModel, apply_rope, generate, get_preset, rope_angles
+from plumbing.cli import HelpFormatter
 
 PROMPT_LEN = 16
 # "autocast": fp32 weights decoded under CPU bf16 autocast, as the alignment stages sample (autocast keeps one bf16
@@ -140,7 +140,9 @@ def operation_costs(model: GPTModel, cached: int = 40) -> list[tuple[str, int, f
     kv = torch.randn(1, cfg.n_heads, cached, d_h, dtype=dtype)  # (B, H, Tk, d_h)
     logits = torch.randn(1, cfg.vocab_size)  # (B, V), fp32 as generate makes them
     up, down = block.ff.layers[0], block.ff.layers[2]
-    size = lambda m: sum(p.numel() * p.element_size() for p in m.parameters())  # noqa: E731
+    def size(m):
+        return sum(p.numel() * p.element_size() for p in m.parameters())
+
     rows = [("q/k/v projection (E -> E)", 3 * layers, block.att.W_query, x, size(block.att.W_query)),
             ("attention output projection (E -> E)", layers, block.att.out_proj, x, size(block.att.out_proj)),
             ("feed-forward up (E -> 4E)", layers, up, x, size(up)),

@@ -35,9 +35,9 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from gpt_model import PRESETS, GPTModel, generate, get_preset  # noqa: E402
-from plumbing.cli import HelpFormatter  # noqa: E402
-from plumbing.hf_weights import gpt_to_hf_state_dict, hf_config_from_gpt  # noqa: E402
+from gpt_model import PRESETS, GPTModel, generate, get_preset
+from plumbing.cli import HelpFormatter
+from plumbing.hf_weights import gpt_to_hf_state_dict, hf_config_from_gpt
 
 PROMPT_LEN = 16  # tokens of the random prompt that every generation starts from
 
@@ -301,7 +301,7 @@ def fmt(x):
     return f"{x:,.0f}" if abs(x) >= 100 else f"{x:.3g}"
 
 
-def main():
+def parse_args():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=HelpFormatter)
     parser.add_argument("--preset", default="demo", choices=list(PRESETS), help="model size from gpt_model.PRESETS")
@@ -322,117 +322,139 @@ def main():
     parser.add_argument("--only", default="train,eval,gen,latency",
                         help="comma-separated subset of train, eval, gen, latency")
     parser.add_argument("--memory-child", nargs=3, help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    cfg = bench_config(args)
-    args.seq_len = args.seq_len or cfg.context_length
-    if args.memory_child:
-        return memory_child(args)
+    return parser.parse_args()
 
-    only = set(args.only.split(","))
-    dtypes = ["fp32", "bf16"] if args.dtype == "both" else [args.dtype]
-    gen_dtype = "bf16" if args.dtype == "bf16" else "fp32"
-    device = args.device
-    started = time.perf_counter()
 
+def describe_machine(cfg, args) -> None:
+    """The CPU (and GPU), core and thread counts, library versions and the model's size, on two lines."""
     import transformers
+
     cpu = platform.processor() or platform.machine()
     with contextlib.suppress(OSError, AttributeError, StopIteration):
         cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    if torch.device(device).type == "cuda":
+    if torch.device(args.device).type == "cuda":
         cpu += f"; GPU {torch.cuda.get_device_name()}"
     print(f"machine: {cpu}, {os.cpu_count()} cores, torch {torch.__version__} ({torch.get_num_threads()} threads), "
           f"transformers {transformers.__version__}")
     print(f"preset {args.preset}: {cfg.n_layers} layers, emb_dim {cfg.emb_dim}, {cfg.n_heads} heads, "
-          f"vocab {cfg.vocab_size}, context {cfg.context_length}; device {device}")
+          f"vocab {cfg.vocab_size}, context {cfg.context_length}; device {args.device}")
 
-    models = build_models(cfg, device)
-    gap, loss_gap = check_same_outputs(models, cfg, device)
-    print(f"same weights: max |logits ours - transformers| = {gap:.2e}, |loss gap| = {loss_gap:.2e} "
-          f"(attention in transformers: {models['hf'].config._attn_implementation})")
-    peaks = {dt: matmul_peak(device, dt) for dt in dtypes + [gen_dtype]}
-    print("matmul peak (2048^3 torch.mm): " + ", ".join(f"{dt} {p:,.0f} GFLOP/s" for dt, p in peaks.items()))
-    print()
 
-    work = Workloads(models, cfg, args)
-    table, flops = Table(), Table()
-    tokens = args.batch_size * args.seq_len
-    med = statistics.median
-
-    for dt in dtypes if "train" in only else []:
-        steps = args.train_steps
-
+def time_training(work, cfg, args, dtypes, peaks, table, flops) -> None:
+    """Training tokens/s and GFLOP/s of both models, per precision, into ``table`` and ``flops``."""
+    steps, tokens = args.train_steps, args.batch_size * args.seq_len
+    for dt in dtypes:
         def train_fn(name, dt=dt):
             return lambda: [work.train(name, dt) for _ in range(steps)]
-        t = interleaved({n: train_fn(n) for n in ("ours", "hf")}, args.repeats, device)
-        rate = {n: steps * tokens / med(t[n]) for n in t}
+        t = interleaved({n: train_fn(n) for n in ("ours", "hf")}, args.repeats, args.device)
+        rate = {n: steps * tokens / statistics.median(t[n]) for n in t}
         table.add(f"train tokens/s, {dt} (B={args.batch_size}, T={args.seq_len})", "tokens/s", rate["ours"], rate["hf"])
         f = train_flops_per_token(cfg, args.seq_len)
         flops.add(f"train {dt}: GFLOP/s ({100 * rate['ours'] * f / 1e9 / peaks[dt]:.0f}% of mm peak for ours)",
                   "GFLOP/s", rate["ours"] * f / 1e9, rate["hf"] * f / 1e9)
         print(f"  train {dt} done", flush=True)
 
-    if "train" in only:  # training changed the weights differently: start the rest from identical twins again
-        models = build_models(cfg, device)
-        work = Workloads(models, cfg, args)
-    for dt in dtypes if "eval" in only else []:
-        t = interleaved({n: (lambda n=n: work.eval(n, dt)) for n in ("ours", "hf")}, args.repeats, device)
-        rate = {n: tokens / med(t[n]) for n in t}
+
+def time_evaluation(work, cfg, args, dtypes, peaks, table, flops) -> None:
+    """Evaluation (forward only) tokens/s and GFLOP/s of both models, per precision."""
+    tokens = args.batch_size * args.seq_len
+    for dt in dtypes:
+        t = interleaved({n: (lambda n=n: work.eval(n, dt)) for n in ("ours", "hf")}, args.repeats, args.device)
+        rate = {n: tokens / statistics.median(t[n]) for n in t}
         table.add(f"eval tokens/s, {dt} (B={args.batch_size}, T={args.seq_len})", "tokens/s", rate["ours"], rate["hf"])
         f = infer_flops_per_token(cfg, args.seq_len / 2)
         flops.add(f"eval {dt}: GFLOP/s ({100 * rate['ours'] * f / 1e9 / peaks[dt]:.0f}% of mm peak for ours)",
                   "GFLOP/s", rate["ours"] * f / 1e9, rate["hf"] * f / 1e9)
         print(f"  eval {dt} done", flush=True)
 
-    if "gen" in only:
-        outputs = {}
-        for batch in (1, 8):
-            def gen_fn(name, batch=batch):
-                return lambda: outputs.__setitem__((name, batch), work.generate(name, gen_dtype, batch,
-                                                                                args.gen_tokens))
-            t = interleaved({n: gen_fn(n) for n in ("ours", "hf")}, args.repeats, device)
-            rate = {n: batch * args.gen_tokens / med(t[n]) for n in t}
-            same = (outputs[("ours", batch)] == outputs[("hf", batch)]).float().mean().item()
-            table.add(f"generate tokens/s, batch {batch}, {args.gen_tokens} new, {gen_dtype}", "tokens/s",
-                      rate["ours"], rate["hf"])
-            f = infer_flops_per_token(cfg, PROMPT_LEN + args.gen_tokens / 2)
-            flops.add(f"generate batch {batch}: GFLOP/s ({100 * rate['ours'] * f / 1e9 / peaks[gen_dtype]:.1f}% of "
-                      "peak)", "GFLOP/s", rate["ours"] * f / 1e9, rate["hf"] * f / 1e9)
-            print(f"  generate batch {batch} done (greedy tokens identical to transformers: {100 * same:.1f}%)",
-                  flush=True)
 
+def time_generation(work, cfg, args, gen_dtype, peaks, table, flops) -> None:
+    """Greedy generation tokens/s at batch 1 and 8, and whether both models wrote the same tokens."""
+    outputs = {}
+    for batch in (1, 8):
+        def gen_fn(name, batch=batch):
+            return lambda: outputs.__setitem__((name, batch), work.generate(name, gen_dtype, batch, args.gen_tokens))
+        t = interleaved({n: gen_fn(n) for n in ("ours", "hf")}, args.repeats, args.device)
+        rate = {n: batch * args.gen_tokens / statistics.median(t[n]) for n in t}
+        same = (outputs[("ours", batch)] == outputs[("hf", batch)]).float().mean().item()
+        table.add(f"generate tokens/s, batch {batch}, {args.gen_tokens} new, {gen_dtype}", "tokens/s",
+                  rate["ours"], rate["hf"])
+        f = infer_flops_per_token(cfg, PROMPT_LEN + args.gen_tokens / 2)
+        flops.add(f"generate batch {batch}: GFLOP/s ({100 * rate['ours'] * f / 1e9 / peaks[gen_dtype]:.1f}% of "
+                  "peak)", "GFLOP/s", rate["ours"] * f / 1e9, rate["hf"] * f / 1e9)
+        print(f"  generate batch {batch} done (greedy tokens identical to transformers: {100 * same:.1f}%)",
+              flush=True)
+
+
+def time_latency(cfg, args, gen_dtype, table) -> dict:
+    """Per-token latency at new token 10 and near token 900 of one long generation: {k: {"ours", "hf"}} in ms."""
+    long_cfg = bench_config(args, context_length=max(cfg.context_length, PROMPT_LEN + args.long_tokens))
+    long_work = Workloads(build_models(long_cfg, args.device), long_cfg, args)
+    gaps = {"ours": [], "hf": []}
+    for r in range(args.long_repeats + 1):  # the first round warms up
+        for name in (("ours", "hf") if r % 2 == 0 else ("hf", "ours")):
+            clock = StepClock(args.device, skip_first_put=(name == "hf"))
+            long_work.generate(name, gen_dtype, 1, args.long_tokens, streamer=clock)
+            if r > 0:
+                gaps[name].append([b - a for a, b in zip(clock.stamps, clock.stamps[1:])])
+
+    def at(name, k):  # median over rounds and over new tokens k-2 .. k+2 (gap i ends at new token i + 2)
+        return 1e3 * statistics.median([g[i] for g in gaps[name] for i in range(k - 4, k + 1)])
     latency = {}
-    if "latency" in only and args.long_tokens > 0:
-        long_cfg = bench_config(args, context_length=max(cfg.context_length, PROMPT_LEN + args.long_tokens))
-        long_models = build_models(long_cfg, device)
-        long_work = Workloads(long_models, long_cfg, args)
-        gaps = {"ours": [], "hf": []}
-        for r in range(args.long_repeats + 1):  # the first round warms up
-            for name in (("ours", "hf") if r % 2 == 0 else ("hf", "ours")):
-                clock = StepClock(device, skip_first_put=(name == "hf"))
-                long_work.generate(name, gen_dtype, 1, args.long_tokens, streamer=clock)
-                if r > 0:
-                    gaps[name].append([b - a for a, b in zip(clock.stamps, clock.stamps[1:])])
-        del long_models, long_work
+    for k in (10, min(900, args.long_tokens - 3)):
+        latency[k] = {n: at(n, k) for n in gaps}
+        table.add(f"latency at new token {k}, batch 1, context {long_cfg.context_length}", "ms/token",
+                  latency[k]["ours"], latency[k]["hf"])
+    print("  latency done", flush=True)
+    return latency
 
-        def at(name, k):  # median over rounds and over new tokens k-2 .. k+2 (gap i ends at new token i + 2)
-            return 1e3 * med([g[i] for g in gaps[name] for i in range(k - 4, k + 1)])
-        for k in (10, min(900, args.long_tokens - 3)):
-            latency[k] = {n: at(n, k) for n in gaps}
-            table.add(f"latency at new token {k}, batch 1, context {long_cfg.context_length}", "ms/token",
-                      latency[k]["ours"], latency[k]["hf"])
-        print("  latency done", flush=True)
 
+def measure_memories(args, only, dtypes, gen_dtype) -> Table:
+    """Peak memory above the resting model of each timed workload, in subprocesses, for both models."""
     memory = Table()
-    if not args.no_memory:
-        jobs = [("train", dt) for dt in dtypes if "train" in only] + [("eval", dt) for dt in dtypes if "eval" in only]
-        jobs += [("gen1", gen_dtype), ("gen8", gen_dtype)] if "gen" in only else []
-        kind = "peak allocated" if torch.device(device).type == "cuda" else "peak RSS"
-        for workload, dt in jobs:
-            mem = {n: measure_memory(args, n, workload, dt) for n in ("ours", "hf")}
-            memory.add(f"{workload} {dt}: {kind} above the resting model", "MiB", mem["ours"], mem["hf"])
-        print("  memory done", flush=True)
+    jobs = [("train", dt) for dt in dtypes if "train" in only] + [("eval", dt) for dt in dtypes if "eval" in only]
+    jobs += [("gen1", gen_dtype), ("gen8", gen_dtype)] if "gen" in only else []
+    kind = "peak allocated" if torch.device(args.device).type == "cuda" else "peak RSS"
+    for workload, dt in jobs:
+        mem = {n: measure_memory(args, n, workload, dt) for n in ("ours", "hf")}
+        memory.add(f"{workload} {dt}: {kind} above the resting model", "MiB", mem["ours"], mem["hf"])
+    print("  memory done", flush=True)
+    return memory
+
+
+def main():
+    args = parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    cfg = bench_config(args)
+    args.seq_len = args.seq_len or cfg.context_length
+    if args.memory_child:
+        return memory_child(args)
+    only = set(args.only.split(","))
+    dtypes = ["fp32", "bf16"] if args.dtype == "both" else [args.dtype]
+    gen_dtype = "bf16" if args.dtype == "bf16" else "fp32"
+    started = time.perf_counter()
+    describe_machine(cfg, args)
+
+    models = build_models(cfg, args.device)
+    gap, loss_gap = check_same_outputs(models, cfg, args.device)
+    print(f"same weights: max |logits ours - transformers| = {gap:.2e}, |loss gap| = {loss_gap:.2e} "
+          f"(attention in transformers: {models['hf'].config._attn_implementation})")
+    peaks = {dt: matmul_peak(args.device, dt) for dt in dtypes + [gen_dtype]}
+    print("matmul peak (2048^3 torch.mm): " + ", ".join(f"{dt} {p:,.0f} GFLOP/s" for dt, p in peaks.items()))
+    print()
+
+    table, flops = Table(), Table()
+    if "train" in only:
+        time_training(Workloads(models, cfg, args), cfg, args, dtypes, peaks, table, flops)
+        models = build_models(cfg, args.device)  # training changed the weights differently: identical twins again
+    work = Workloads(models, cfg, args)
+    if "eval" in only:
+        time_evaluation(work, cfg, args, dtypes, peaks, table, flops)
+    if "gen" in only:
+        time_generation(work, cfg, args, gen_dtype, peaks, table, flops)
+    latency = time_latency(cfg, args, gen_dtype, table) if "latency" in only and args.long_tokens > 0 else {}
+    memory = measure_memories(args, only, dtypes, gen_dtype) if not args.no_memory else Table()
 
     print()
     table.print()

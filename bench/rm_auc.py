@@ -20,11 +20,11 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from plumbing.baselines import NaiveBayes  # noqa: E402
-from plumbing.checkpoint import load_checkpoint  # noqa: E402
-from plumbing.devices import native_bf16  # noqa: E402
-from plumbing.records import read_preference_pairs  # noqa: E402
-from plumbing.reward import score_texts  # noqa: E402
+from plumbing.baselines import NaiveBayes
+from plumbing.checkpoint import load_checkpoint
+from plumbing.devices import native_bf16
+from plumbing.records import read_preference_pairs
+from plumbing.reward import score_texts
 
 DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data", "rm")
 
@@ -53,9 +53,12 @@ def main(argv=None) -> int:
         nb = NaiveBayes([c for _, c, _ in train], [r for _, _, r in train])
         scorers.append(("naive Bayes", lambda prompts, texts: [nb.log_odds(t) for t in texts]))
     for path in args.checkpoints:
-        model, tokenizer, _ = load_checkpoint(path, "reward")
-        scorers.append((path, lambda prompts, texts, model=model.eval(), tokenizer=tokenizer: score_as_the_stage(
-            model, tokenizer, prompts, texts, args.max_length)))
+        model, tokenizer, _ = load_checkpoint(path, "reward")  # in eval mode
+
+        def scorer(prompts, texts, model=model, tokenizer=tokenizer):
+            return score_as_the_stage(model, tokenizer, prompts, texts, args.max_length)
+
+        scorers.append((path, scorer))
     print(f"{'model':40s} {'test acc':>9s} {'test AUC':>9s} {'val acc':>8s} {'val AUC':>8s}")
     for name, score in scorers:
         figures = []

@@ -26,7 +26,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-from plumbing.cli import ArgumentParser  # noqa: E402
+from plumbing.cli import ArgumentParser
 
 # Every flag a PPO recipe changes is spelled out, so that a recipe keeps its meaning when 3-PPO.py's defaults
 # change; the rest is the demo preset (20 iterations, learning rate 1e-4, 4 PPO epochs).
@@ -173,7 +173,8 @@ def main(argv=None):
         for name in names:
             for seed in seeds:
                 run_one(name, seed, args)
-    headers = ["recipe", "KL", "RM gain", f"judge SFT → {args.stage.upper()} ± SE", "distinct-2", "ends with [SEP]", "length",
+    headers = ["recipe", "KL", "RM gain", f"judge SFT → {args.stage.upper()} ± SE", "distinct-2", "ends with [SEP]",
+               "length",
                "longest run", "5 checks", "flag", "wall"]
     rows = [row for name in names for seed in seeds if (row := row_of(name, seed, args))]
     if not rows:

@@ -32,15 +32,15 @@ MALLOC = "glibc.malloc.mmap_threshold=1073741824:glibc.malloc.trim_threshold=429
 if "GLIBC_TUNABLES" not in os.environ and sys.platform.startswith("linux") and __name__ == "__main__":
     os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, "GLIBC_TUNABLES": MALLOC})
 
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-import torch.nn as nn  # noqa: E402
+import numpy as np
+import torch
+import torch.nn as nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from gpt_model import GPTModel, get_preset  # noqa: E402
-from plumbing.batching import BatchSchedule, spread_subset  # noqa: E402
-from plumbing.cli import ArgumentParser, default_path, run  # noqa: E402
-from plumbing.optimizers import lr_at, set_lr  # noqa: E402
+from gpt_model import GPTModel, get_preset
+from plumbing.batching import BatchSchedule, spread_subset
+from plumbing.cli import ArgumentParser, default_path, run
+from plumbing.optimizers import lr_at, set_lr
 
 
 @dataclass(frozen=True)
@@ -393,7 +393,8 @@ def main(argv=None):
     for row in rows:
         losses = " ".join(f"{c[3]:.3f}" for c in row.get("curve", []))
         print(f"{row['name']:<18} {row['tokens'] / 1e6:6.2f}M {row['train_seconds']:8.1f} {row['tokens_per_s']:7,} "
-              f"{row['tokens_per_cpu_s']:9,} {row['load_average']:5.2f}  {losses}  {row.get('val_loss_all', float('nan')):.3f}")
+              f"{row['tokens_per_cpu_s']:9,} {row['load_average']:5.2f}  {losses}  "
+              f"{row.get('val_loss_all', float('nan')):.3f}")
     return 0
 
 

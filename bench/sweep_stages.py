@@ -5,12 +5,12 @@
     .venv/bin/python bench/sweep_stages.py --group rm              # every RM recipe
     .venv/bin/python bench/sweep_stages.py --table                 # the results so far as a markdown table
 
-A run is ``python 1-SFT.py --preset demo --init <parents>/pretrain <flags>`` (or ``2-RM.py --init
-<parents>/sft``) writing to a scratch directory; ``--parents`` defaults to ``checkpoints/`` (build it with ``make
-pipeline`` or the stage scripts first). A later ``--init`` among the flags wins. The figure is what the report card shows: SFT's val response
-loss on its 200 fixed val pairs, the RM's test pair accuracy, each with the stage's wall time. Runs are
-deterministic given the recipe and the parent; the seconds depend on the machine and its load. Results are
-appended as JSON lines to --results.
+A run is ``python 1-SFT.py --preset demo --init <parents>/pretrain <flags>`` (or ``2-RM.py --init <parents>/sft``)
+writing to a scratch directory; ``--parents`` defaults to ``checkpoints/`` (build it with ``make pipeline`` or the stage
+scripts first). A later ``--init`` among the flags wins. The figure is what the report card shows: SFT's val response
+loss on its 200 fixed val pairs, the RM's test pair accuracy, each with the stage's wall time. Runs are deterministic
+given the recipe and the parent; the seconds depend on the machine and its load. Results are appended as JSON lines to
+--results.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import time
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
 sys.path.insert(0, ROOT)
-from plumbing.cli import ArgumentParser, run  # noqa: E402
+from plumbing.cli import ArgumentParser, run
 
 # name -> (stage, flags added to the stage's demo defaults). The first recipe of each stage is today's default.
 RECIPES = {
@@ -81,7 +81,7 @@ def print_table(path: str) -> None:
     with open(path, encoding="utf-8") as f:
         for row in map(json.loads, f):
             rows[row["name"]] = row
-    for stage, (key, label) in FIGURES.items():
+    for stage, (_, label) in FIGURES.items():
         print(f"\n| {stage} recipe | flags | {label} | seconds |\n|---|---|---|---|")
         for row in rows.values():
             if row["stage"] == stage:

@@ -471,7 +471,7 @@ def poetry_documents(node, t2s: dict[str, str]) -> list[str]:
 def unit_hash(text: str, salt: str) -> float:
     """A number in [0, 1) fixed by ``salt`` and ``text`` (first 8 bytes of sha256), used for every split and
     ordering decision so that outputs never depend on RNG state or input order."""
-    digest = hashlib.sha256(f"{salt}\x00{text}".encode("utf-8")).digest()
+    digest = hashlib.sha256(f"{salt}\x00{text}".encode()).digest()
     return int.from_bytes(digest[:8], "big") / 2.0 ** 64
 
 
@@ -692,9 +692,10 @@ def build_reviews(pos_text: str, neg_text: str) -> dict:
 
     Each unique review line (lines found in both files dropped) goes by hash to RM ``test`` (10%), ``val`` (5%) or
     ``train``; the hash is that of its near-duplicate group (``near_duplicate_groups``), so that a truncated or
-    re-punctuated copy of a test review never lands in a training split. RM pairs zip the positive and negative lines of a split, each in hash order. RM-train lines are
-    halved by a second hash: one half feeds the SFT review tasks, the other the PPO prompts (openings of both
-    positive and negative reviews, to be written as a 好评). PPO validation prompts come from RM-val lines.
+    re-punctuated copy of a test review never lands in a training split. RM pairs zip the positive and negative lines of
+    a split, each in hash order. RM-train lines are halved by a second hash: one half feeds the SFT review tasks, the
+    other the PPO prompts (openings of both positive and negative reviews, to be written as a 好评). PPO validation
+    prompts come from RM-val lines.
 
     Returns:
         ``{"rm": {split: [record]}, "sft_units": {line: [(prompt, response)]}, "ppo": [record],

@@ -63,7 +63,7 @@ class BigramLM:
         self._fit(tokens[:-1], tokens[1:], vocab_size, discount)
 
     @classmethod
-    def from_pairs(cls, previous, target, vocab_size: int, discount: float | None = None) -> "BigramLM":
+    def from_pairs(cls, previous, target, vocab_size: int, discount: float | None = None) -> BigramLM:
         """The same model counted on (n,) arrays of (previous token, next token) pairs instead of one stream:
         for SFT, the pairs that predict response tokens only (``chat_predictions``)."""
         lm = cls.__new__(cls)

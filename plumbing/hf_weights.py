@@ -44,10 +44,10 @@ model cannot compute the same function: ``model_type`` other than gpt2, ``activa
 ``gelu_new``/``gelu_pytorch_tanh`` (both are the tanh GELU our ``GELU`` computes), ``n_inner`` other than 4E,
 ``scale_attn_weights`` false, ``scale_attn_by_inverse_layer_idx`` true, ``add_cross_attention`` true.
 
-Our tokenizer renames a few ``[unused*]`` slots of the bert-base-chinese vocabulary (newline, space, curly quotes
-...); ids are unchanged, so uer's weights work as they are. uer's config.json gives bos/eos 50256 (English GPT-2's
-``<|endoftext|>``, outside a 21128-id vocabulary); those fields are not read, and an export writes [CLS]/[SEP]. Weights stored in float16/bfloat16 are widened to
-float32, the precision this project keeps its weights in.
+Our tokenizer renames a few ``[unused*]`` slots of the bert-base-chinese vocabulary (newline, space, curly quotes ...);
+ids are unchanged, so uer's weights work as they are. uer's config.json gives bos/eos 50256 (English GPT-2's
+``<|endoftext|>``, outside a 21128-id vocabulary); those fields are not read, and an export writes [CLS]/[SEP]. Weights
+stored in float16/bfloat16 are widened to float32, the precision this project keeps its weights in.
 
 The command ``load_weight.py`` converts a directory either way with these functions.
 """

@@ -62,10 +62,11 @@ def make_optimizer(model: nn.Module, learning_rate: float, weight_decay: float,
 def make_optimizer_groups(model: nn.Module, weight_decay: float, muon: bool = False,
                           embedding_lr_scale: float = 1.0, muon_lr_scale: float = 10.0) -> list[dict]:
     """Parameter groups of a ``gpt_model.GPTModel`` for ``MuonAdamW``: with ``muon``, the 2-D weights of the
-    Transformer blocks (attention and MLP matrices) form a Muon group (``"muon": True``) whose learning rate is ``muon_lr_scale`` times the
-    schedule's, decayed by ``weight_decay``; the token embedding (and the head tied to it) is an AdamW group at
-    ``embedding_lr_scale`` times the schedule's; an untied head is decayed like the matrices in ``make_optimizer``;
-    positions, norms and biases are not decayed. Without ``muon`` the block matrices are a decayed AdamW group."""
+    Transformer blocks (attention and MLP matrices) form a Muon group (``"muon": True``) whose learning rate is
+    ``muon_lr_scale`` times the schedule's, decayed by ``weight_decay``; the token embedding (and the head tied to it)
+    is an AdamW group at ``embedding_lr_scale`` times the schedule's; an untied head is decayed like the matrices in
+    ``make_optimizer``; positions, norms and biases are not decayed. Without ``muon`` the block matrices are a
+    decayed AdamW group."""
     embedding = model.tok_emb.weight
     blocks = {id(p) for block in model.trf_blocks for p in block.parameters() if p.dim() == 2}
     matrices, embeddings, decay, rest = [], [], [], []
@@ -154,9 +155,9 @@ class MuonAdamW(torch.optim.Optimizer):
     """Muon for the groups marked ``"muon": True``, AdamW for the others, behind one optimizer (one ``step``,
     one ``state_dict``, so ``accelerator.prepare``, gradient accumulation and exact resume work unchanged).
 
-    ``Muon`` replaces each 2-D weight's momentum-SGD update by its nearest semi-orthogonal matrix (5
-    Newton-Schulz iterations), scaled by ``sqrt(max(1, rows / cols))``; nanochat and the modded-nanogpt speedrun
-    train the hidden matrices with it and the embeddings, head and gains with AdamW, as here. Both inner optimizers share this object's
+    ``Muon`` replaces each 2-D weight's momentum-SGD update by its nearest semi-orthogonal matrix (5 Newton-Schulz
+    iterations), scaled by ``sqrt(max(1, rows / cols))``; nanochat and the modded-nanogpt speedrun train the hidden
+    matrices with it and the embeddings, head and gains with AdamW, as here. Both inner optimizers share this object's
     ``param_groups`` and ``state``, so ``set_lr`` and ``lr_scale`` apply to both.
     """
 

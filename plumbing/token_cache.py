@@ -75,7 +75,7 @@ def tokenize_to_file(documents: TextDocuments, tokenizer, path: str, bos_id: int
             os.remove(stale)
     tmp = f"{path}.{os.getpid()}.tmp"
     info = {"dtype": dtype.name, "tokens": 0, "documents": 0}
-    lineage = hashlib.sha256(f"{documents.lineage}|{tokenizer_fingerprint(tokenizer)}|{bos_id}".encode("utf-8")
+    lineage = hashlib.sha256(f"{documents.lineage}|{tokenizer_fingerprint(tokenizer)}|{bos_id}".encode()
                              ).hexdigest()[:24]
     try:
         with open(tmp, "wb") as f, tqdm(total=documents.num_bytes, unit="B", unit_scale=True, dynamic_ncols=True,

@@ -198,7 +198,7 @@ class MetricsLog:
         self.rows = list(rows or [])
 
     @classmethod
-    def resume(cls, path: str, up_to_step: int) -> "MetricsLog":
+    def resume(cls, path: str, up_to_step: int) -> MetricsLog:
         rows = []
         if os.path.isfile(path):
             with open(path, encoding="utf-8") as f:

@@ -221,7 +221,8 @@ def test_corrupt_archive_is_a_prepare_error(tmp_path):
 # ---------------------------------------------------------------------------------------------------------------
 
 def test_strip_pos_tags_plain_and_with_id():
-    assert prepare.strip_pos_tags("迈向/v  充满/v  希望/n  的/u  新/a  世纪/n  。/w") == (None, "迈向充满希望的新世纪。")
+    tagged = "迈向/v  充满/v  希望/n  的/u  新/a  世纪/n  。/w"
+    assert prepare.strip_pos_tags(tagged) == (None, "迈向充满希望的新世纪。")
     art, text = prepare.strip_pos_tags("19980101-01-001-002/m  [中央/n  电视台/n]nt  播出/v  Windows/nx  98/m")
     assert art == "19980101-01-001"
     assert text == "中央电视台播出Windows 98"
@@ -292,7 +293,8 @@ def test_near_duplicates_by_hand():
              "天气" * 300 + "收到后包装完好笔记本封条完好" + "天气" * 10]  # 3: a long document
     index = prepare.NearDupIndex(texts)
     assert index.matches("收到后，包装完好。笔记本封条完好！") == [-1, 0]  # inside text 0 and the long document
-    assert index.matches("网上买数码产品就害怕旧货，收到后包装完好，笔记本封条完好，放心，推荐购买") == [0]  # contains it
+    long_review = "网上买数码产品就害怕旧货，收到后包装完好，笔记本封条完好，放心，推荐购买"
+    assert index.matches(long_review) == [0]  # contains it
     assert index.matches("屏幕很好") == []  # "屏幕" is shorter than 6 characters
     assert index.matches("房间很干净，服务员也很热情，早餐品种很多，味道不错，就是价格贵") == [2]
     assert index.matches("房间很干净，服务员也很热情，早餐一般") == []  # only 14 characters in common at the start

@@ -818,7 +818,9 @@ def test_filter_logits_hand_example():
     assert torch.equal(gm.filter_logits(logits, top_k=2), torch.tensor([[inf, 3.0, 2.0, inf]]))
     assert torch.equal(gm.filter_logits(logits, top_k=1), torch.tensor([[inf, 3.0, inf, inf]]))
     probs = torch.log(torch.tensor([[0.15, 0.5, 0.3, 0.05]]))  # ranked: 0.5, 0.3, 0.15, 0.05
-    keep = lambda out: (out > inf).int().tolist()  # noqa: E731
+    def keep(out):
+        return (out > inf).int().tolist()
+
     assert keep(gm.filter_logits(probs, top_p=0.45)) == [[0, 1, 0, 0]]
     assert keep(gm.filter_logits(probs, top_p=0.6)) == [[0, 1, 1, 0]]
     assert keep(gm.filter_logits(probs, top_p=0.9)) == [[1, 1, 1, 0]]
@@ -1004,7 +1006,7 @@ def test_reward_reads_the_last_real_token(side):
     with torch.no_grad():
         out = rm(ids, mask)
         assert out["values"].shape == (3, 6) and out["rewards"].shape == (3,)
-        for b, n in enumerate(lengths):
+        for b in range(len(lengths)):
             assert out["rewards"][b] == out["values"][b, last[b]]
             real = ids[b][mask[b].bool()][None]
             torch.testing.assert_close(out["rewards"][b], rm(real)["rewards"][0], atol=1e-5, rtol=1e-5)

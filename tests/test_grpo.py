@@ -41,7 +41,7 @@ def test_grpo_loss_at_ratio_one_is_the_policy_gradient_plus_kl():
     adv = torch.tensor([2.0, -1.0])
     loss, clip_fraction, kl = GRPO.grpo_loss(logp, old, ref, adv, mask, cliprange=0.2, beta=0.5)
     k3 = GRPO.kl_k3(old, ref)
-    per_seq = [(-(2.0) * 2 + 0.5 * (k3[0, 0] + k3[0, 1])) / 2, (-(-1.0) * 3 + 0.5 * k3[1].sum()) / 3]
+    per_seq = [(-2.0 * 2 + 0.5 * (k3[0, 0] + k3[0, 1])) / 2, (1.0 * 3 + 0.5 * k3[1].sum()) / 3]  # -A |o| + beta sum k3
     assert loss.item() == pytest.approx(((per_seq[0] + per_seq[1]) / 2).item())
     assert clip_fraction.item() == 0
     assert kl.item() == pytest.approx(((k3 * mask).sum() / mask.sum()).item())

@@ -83,7 +83,7 @@ def test_import_reader_sees_every_form(tmp_path):
 
 def test_the_root_holds_the_story_and_the_commands_only():
     root = {p.stem for p in REPO_ROOT.glob("*.py")}
-    assert root == STAGES | COMMANDS | BELOW, f"unexpected files at the root: {sorted(root - STAGES - COMMANDS - BELOW)}"
+    assert root == STAGES | COMMANDS | BELOW, f"other files at the root: {sorted(root - STAGES - COMMANDS - BELOW)}"
     assert len(root) <= MAX_ROOT_FILES
 
 
@@ -100,7 +100,7 @@ def test_no_command_or_stage_imports_another():
     graph = import_graph()
     for name in STAGES | COMMANDS:
         wrong = graph[name] & (STAGES | COMMANDS)
-        assert not wrong, f"{name} imports {sorted(wrong)}: a command runs another (pipeline.load_stage), never imports it"
+        assert not wrong, f"{name} imports {sorted(wrong)}: a command runs another (load_stage), never imports it"
 
 
 def test_the_model_and_the_tokenizer_sit_below_everything():

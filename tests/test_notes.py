@@ -1,4 +1,5 @@
-"""The notes in notes/ quote the code, every quote must still be the code, and every cross-reference must lead somewhere.
+"""The notes in notes/ quote the code, every quote must still be the code, and every cross-reference must lead
+somewhere.
 
 A quote is a marker line naming a file and a symbol of it, followed by a ```python block:
 
@@ -353,7 +354,8 @@ def test_checker_reports_a_missing_symbol():
 
 
 def test_fix_reanchors_a_quote_moved_into_another_function():
-    moved = SRC.replace("def f(x):\n    y = x + 1", "def f(x):\n    return helper(x)\n\n\ndef helper(x):\n    y = x + 1")
+    moved = SRC.replace("def f(x):\n    y = x + 1",
+                        "def f(x):\n    return helper(x)\n\n\ndef helper(x):\n    y = x + 1")
     note = note_quoting("m.py::f", "    y = x + 1\n    return y\n")
     problems = check_note("n.md", note, {"m.py": moved})
     assert len(problems) == 1 and "moved to m.py::helper" in problems[0]

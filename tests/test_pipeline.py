@@ -36,7 +36,8 @@ def test_held_out_section_has_a_row_per_model_and_each_flag():
                                                   "| PPO", "| DPO", "| GRPO"]
     assert "| SFT | 0.500 ± 0.100 | 0.600 ± 0.020 | 0.00 | 0.900 | 2.0 | 25% | 30.0 | — |" in text
     assert "| best-of-4 (SFT + RM) | 1.000 ± 0.100 | 0.600 ± 0.020 | ≤ 0.64 |" in text
-    assert "| best-of-16 (SFT + RM) | 1.800 ± 0.100 | 0.600 ± 0.020 | ≤ 1.84 |" in text and "30 s (one run of 16)" in text
+    assert "| best-of-16 (SFT + RM) | 1.800 ± 0.100 | 0.600 ± 0.020 | ≤ 1.84 |" in text
+    assert "30 s (one run of 16)" in text
     assert "| PPO | 2.000 ± 0.100 | 0.600 ± 0.020 | 2.50 ± 0.30 | 0.900 | 2.0 | 50% | 30.0 | 100 s |" in text
     assert "| DPO | 1.500 ± 0.100 | 0.700 ± 0.020 | 4.00 ± 0.50 |" in text and "| 60 s |" in text
     assert "- DPO: **reward hacking suspected: KL to the SFT model is 4.00 nats/response.**" in text

@@ -130,7 +130,8 @@ def test_val_row_keys_round_trip():
 
 
 def test_entropy_of_a_uniform_distribution_is_log_v():
-    assert alignment.entropy_from_logits(torch.zeros(1, 1, 8)).item() == pytest.approx(torch.log(torch.tensor(8.0)).item())
+    uniform = alignment.entropy_from_logits(torch.zeros(1, 1, 8)).item()
+    assert uniform == pytest.approx(torch.log(torch.tensor(8.0)).item())
 
 
 def tiny_models(seed=0):
@@ -285,7 +286,9 @@ def test_held_out_monitors_measure_the_same_models_once(tokenizer, monkeypatch):
     with the same weights, prompts and settings returns the first call's figures without sampling again; changed
     weights, another seed or autocast are measured anew."""
     policy, ref, reward = tiny_models()
-    judge = lambda texts: [0.5] * len(texts)  # noqa: E731 (a stand-in judge: the cache is what is tested)
+    def judge(texts):  # a stand-in judge: the cache is what is tested
+        return [0.5] * len(texts)
+
     args = types.SimpleNamespace(max_new_tokens=4, eval_samples=2)
     monkeypatch.setattr(alignment, "_MEASURED", {})
     calls = []

@@ -164,8 +164,8 @@ def test_the_token_cache_key_covers_the_tokenizers_normaliser(tokenizer, tmp_pat
 
 def test_parquet_jsonl_fields_and_datasets_give_the_same_tokens(tokenizer, tmp_path, monkeypatch):
     """The same three documents as .jsonl with another field, as .parquet, as a folder saved by datasets, and as
-    a dataset folder laid out as on the Hub (split files under data/, rows chosen by slicing), all tokenize to what the {"text"} .jsonl
-    gives; a missing field or column is a one-line error that names it and --text_field."""
+    a dataset folder laid out as on the Hub (split files under data/, rows chosen by slicing), all tokenize to what the
+    {"text"} .jsonl gives; a missing field or column is a one-line error that names it and --text_field."""
     import datasets
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -252,7 +252,8 @@ def test_saved_datasets_take_splits_and_row_slices_and_hub_folders_keep_their_me
 
     head, tail = (load_text_documents([f"{tmp_path / 'ds_one'}:train[{s}]"], "x") for s in (":70%", "70%:"))
     assert list(head) == [str(i) for i in range(7)] and list(tail) == ["7", "8", "9"] and head.key != tail.key
-    assert docs(f"{tmp_path / 'ds_dict'}:train[:50%]") == ["甲", "乙"] and docs(f"{tmp_path / 'ds_dict'}:test") == ["戊"]
+    assert docs(f"{tmp_path / 'ds_dict'}:train[:50%]") == ["甲", "乙"]
+    assert docs(f"{tmp_path / 'ds_dict'}:test") == ["戊"]
     assert docs(tmp_path / "ds_*") == ["甲", "乙", "丙", "丁"] + [str(i) for i in range(10)]
     assert docs(tmp_path / "hub") == ["己"]
     with pytest.raises(UserError, match="has no split 'test' \\(a single dataset, whose only split is train"):
@@ -261,7 +262,7 @@ def test_saved_datasets_take_splits_and_row_slices_and_hub_folders_keep_their_me
 
 def test_a_late_bad_byte_is_named_by_its_offset_in_the_file(tmp_path):
     path = tmp_path / "late.txt"
-    path.write_bytes("好".encode("utf-8") * 50000 + "\n中文".encode("gbk"))
+    path.write_bytes("好".encode() * 50000 + "\n中文".encode("gbk"))
     with pytest.raises(UserError, match="bad byte at offset 150001"):
         list(load_text_documents([str(path)], "--train_files"))
 
@@ -289,7 +290,8 @@ def test_a_killed_runs_half_written_token_file_is_removed_and_sigterm_cleans_up(
     assert sorted(os.listdir(tmp_path / "t")) == ["abc.bin", os.path.basename(live), "abc.json"]
 
     big = tmp_path / "big.jsonl"  # about 6 MB: a few seconds of tokenizing
-    big.write_text("".join(json.dumps({"text": f"第{i}篇：" + "春眠不觉晓，处处闻啼鸟。" * 160}, ensure_ascii=False) + "\n"
+    poem = "春眠不觉晓，处处闻啼鸟。" * 160
+    big.write_text("".join(json.dumps({"text": f"第{i}篇：" + poem}, ensure_ascii=False) + "\n"
                            for i in range(1000)), encoding="utf-8")
     env = {**os.environ, "HF_DATASETS_CACHE": str(tmp_path / "cache")}
     proc = subprocess.Popen([sys.executable, "0-PRETRAIN.py", "--preset", "tiny", "--train_files", str(big),
@@ -364,7 +366,9 @@ def test_resume_is_bit_identical_to_a_straight_run(tmp_path, tiny_corpus):
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     rows_a = (straight / "metrics.jsonl").read_text().splitlines()
     rows_b = (resumed / "metrics.jsonl").read_text().splitlines()
-    strip = lambda rows: [{k: v for k, v in json.loads(r).items() if k != "time_s"} for r in rows]
+    def strip(rows):
+        return [{k: v for k, v in json.loads(r).items() if k != "time_s"} for r in rows]
+
     assert strip(rows_a) == strip(rows_b)
     times = [json.loads(r)["time_s"] for r in rows_b]  # the clock goes on across the resume, as tokens_seen does
     assert times == sorted(times)
@@ -390,18 +394,24 @@ def test_two_processes_follow_the_one_process_loss_curve(tmp_path, tiny_corpus):
     one, two = tmp_path / "one", tmp_path / "two"
     args = ("--max_steps", "4", "--eval_every", "2")
     assert pretrain(one, tiny_corpus, *args, "--batch_size", "4").returncode == 0
-    result = run_script("-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+    result = run_script("-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                        "--num_machines", "1",
                         "--mixed_precision", "no", "--dynamo_backend", "no", "0-PRETRAIN.py", "--preset", "tiny",
                         "--train_files", tiny_corpus / "train.txt", "--val_files", tiny_corpus / "val.txt",
                         "--output_dir", two, *args, "--batch_size", "2")
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.count("saved ") == 1  # one process is the main process
-    losses = lambda d: [(r["train_loss"], r.get("val_loss")) for r in map(json.loads, open(d / "metrics.jsonl"))]
+    def rows(d):
+        return [json.loads(line) for line in (d / "metrics.jsonl").read_text(encoding="utf-8").splitlines()]
+
+    def losses(d):
+        return [(r["train_loss"], r.get("val_loss")) for r in rows(d)]
+
     for (a, va), (b, vb) in zip(losses(one), losses(two)):
         assert a == pytest.approx(b, abs=1e-4)
         assert (va is None) == (vb is None) and (va is None or va == pytest.approx(vb, abs=1e-4))
-    tokens = lambda d: [r["tokens_seen"] for r in map(json.loads, open(d / "metrics.jsonl"))]
-    assert tokens(one) == tokens(two)  # the global batch really spans both processes
+    # the global batch really spans both processes
+    assert [r["tokens_seen"] for r in rows(one)] == [r["tokens_seen"] for r in rows(two)]
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary directories left
 
 

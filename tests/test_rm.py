@@ -344,8 +344,12 @@ def test_exact_resume(easy_data, random_init, tmp_path):
     assert json.loads((split / "config.json").read_text(encoding="utf-8"))["step"] == 2
     assert RM.main(rm_args(easy_data, init, split, *common, "--resume")) == 0
     assert (split / "model.safetensors").read_bytes() == (straight / "model.safetensors").read_bytes()
-    drop = lambda rows: [{k: v for k, v in r.items() if k != "time_s"} for r in rows]
-    read = lambda d: [json.loads(x) for x in (d / "metrics.jsonl").read_text(encoding="utf-8").splitlines()]
+    def drop(rows):
+        return [{k: v for k, v in r.items() if k != "time_s"} for r in rows]
+
+    def read(d):
+        return [json.loads(x) for x in (d / "metrics.jsonl").read_text(encoding="utf-8").splitlines()]
+
     assert drop(read(split)) == drop(read(straight))
 
 
@@ -385,7 +389,9 @@ def test_ctrl_c_in_the_final_evaluation_keeps_the_trained_steps(easy_data, rando
     assert RM.main(rm_args(easy_data, random_init, stopped, *common, "--resume")) == 0
     assert not (stopped / "state").exists()
     assert (stopped / "model.safetensors").read_bytes() == (straight / "model.safetensors").read_bytes()
-    metrics = lambda d: json.loads((d / "config.json").read_text(encoding="utf-8"))["metrics"]  # noqa: E731
+    def metrics(d):
+        return json.loads((d / "config.json").read_text(encoding="utf-8"))["metrics"]
+
     assert metrics(stopped) == metrics(straight)
 
 

@@ -23,6 +23,7 @@ from conftest import REPO_ROOT
 openai = pytest.importorskip("openai")
 httpx = pytest.importorskip("httpx")
 
+# below the importorskip lines, so that a missing openai or httpx skips this file before anything else loads
 from chinese_tokenizer import EOS_ID, chat_messages_ids, chat_prompt_ids, decode, encode, until_eos  # noqa: E402
 from gpt_model import GPTConfig, GPTModel, generate  # noqa: E402
 from plumbing.checkpoint import load_checkpoint, save_checkpoint  # noqa: E402

@@ -136,7 +136,9 @@ def test_only_assistant_tokens_carry_loss_in_a_three_turn_conversation(tokenizer
     turns = [("system", "你是诗人"), ("user", "春"), ("assistant", "花开"), ("user", "夏"), ("assistant", "雨"),
              ("user", "秋"), ("assistant", "叶落")]
     pairs = ChatPairs([{"messages": turns}], tokenizer, max_length=64)
-    c = lambda text: char_ids(text, tokenizer)  # noqa: E731
+    def c(text):
+        return char_ids(text, tokenizer)
+
     full = ([CLS] + c("你是诗人") + [SEP] + c("春") + [ANS] + c("花开") + [SEP] + c("夏") + [ANS] + c("雨") + [SEP]
             + c("秋") + [ANS] + c("叶落") + [SEP])
     inputs, labels = pairs[0]
@@ -208,7 +210,9 @@ def test_prompt_records_of_the_alignment_stages(tmp_path, tokenizer):
     prompts = read_prompt_files(str(path), "--prompts_file")
     assert prompts == ["写诗", "翻译\n你好", "写诗", (("user", "你好"), ("assistant", "嗯"), ("user", "写诗")),
                        (("system", "你是诗人"), ("user", "写诗"))]
-    e = lambda text: ct.encode(text, tokenizer)  # noqa: E731
+    def e(text):
+        return ct.encode(text, tokenizer)
+
     assert chat_prompt_ids(prompts[3], tokenizer) == [CLS_ID] + e("你好") + [ANSWER_ID] + e("嗯") + [SEP_ID] + \
         e("写诗") + [ANSWER_ID]
     assert chat_prompt_ids(prompts[4], tokenizer) == [CLS_ID] + e("你是诗人") + [SEP_ID] + e("写诗") + [ANSWER_ID]
@@ -257,7 +261,8 @@ def test_parquet_conversations_read_as_their_json_lines(tmp_path):
     records = {"alpaca": [{"instruction": "翻译：", "input": "你好", "output": "hello"},
                           {"instruction": "写一句诗", "input": "", "output": "床前明月光"}],
                "messages": [{"messages": [{"role": "user", "content": "你好"}, {"role": "assistant", "content": "嗯"},
-                                          {"role": "user", "content": "再见"}, {"role": "assistant", "content": "好"}]}]}
+                                          {"role": "user", "content": "再见"},
+                                          {"role": "assistant", "content": "好"}]}]}
     for name, rows in records.items():
         pq.write_table(pa.Table.from_pylist(rows), tmp_path / f"{name}.parquet")
         assert read_chat_pairs(str(tmp_path / f"{name}.parquet"), "--train_files") == \
@@ -303,7 +308,8 @@ def test_sample_prompts_include_reviews_and_xiehouyu():
 
 # --- 1-SFT.py end to end (in-process, tiny model) ----------------------------------------------------------------
 
-PAIRS = [("你好", "你好呀"), ("一加一等于几？", "等于二"), ("天空是什么颜色？", "蓝色"), ("补全歇后语：猫哭老鼠——", "假慈悲")]
+PAIRS = [("你好", "你好呀"), ("一加一等于几？", "等于二"), ("天空是什么颜色？", "蓝色"),
+         ("补全歇后语：猫哭老鼠——", "假慈悲")]
 
 
 @pytest.fixture(scope="module")

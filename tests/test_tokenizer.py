@@ -224,7 +224,8 @@ def test_chat_template_response_alone_too_long(tokenizer, vid):
 @given(prompt_len=st.integers(1, 30), response_len=st.integers(0, 30), max_length=st.integers(3, 70),
        seed=st.integers(0, 10**6))
 def test_chat_template_properties(tokenizer, prompt_len, response_len, max_length, seed):
-    """For any lengths (non-empty prompt): L <= max_length, a pair that fits is untouched, the prompt kept is a suffix, the response kept a prefix (with [SEP] when
+    """For any lengths (non-empty prompt): L <= max_length, a pair that fits is untouched, the prompt kept is a suffix,
+    the response kept a prefix (with [SEP] when
     the response fits), a prompt token survives whenever there is one, and the flag says whether anything was cut."""
     import random
 
@@ -269,7 +270,8 @@ def test_chat_template_tiny_max_length(tokenizer):
 def test_chat_messages_of_one_turn_are_the_sft_layout(tokenizer):
     """One user turn and no system text: exactly chat_prompt_ids, with and without a length limit."""
     for prompt, limit in (("今天天气", None), ("今天天气", 4), ("一二三四五六七八九十", 6)):
-        assert ct.chat_messages_ids([("user", prompt)], tokenizer, limit) == ct.chat_prompt_ids(prompt, tokenizer, limit)
+        expected = ct.chat_prompt_ids(prompt, tokenizer, limit)
+        assert ct.chat_messages_ids([("user", prompt)], tokenizer, limit) == expected
 
 
 def test_chat_messages_layout_and_cuts(tokenizer, vid):
@@ -283,7 +285,8 @@ def test_chat_messages_layout_and_cuts(tokenizer, vid):
     assert ct.chat_messages_ids(messages, tokenizer, 7) == [101] + vid("今天天气") + [5]
     assert ct.chat_messages_ids(messages, tokenizer, 4) == [101] + vid("天气") + [5]
     two_systems = [("system", "甲"), ("system", "乙"), ("user", "问")]
-    assert ct.chat_messages_ids(two_systems, tokenizer) == [101] + vid("甲") + [1] + vid("乙") + [102] + vid("问") + [5]  # "\n" is [unused1]
+    expected = [101] + vid("甲") + [1] + vid("乙") + [102] + vid("问") + [5]  # "\n" is [unused1]
+    assert ct.chat_messages_ids(two_systems, tokenizer) == expected
 
 
 @pytest.mark.parametrize("messages, words", [
