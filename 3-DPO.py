@@ -24,19 +24,14 @@ import torch
 import torch.nn.functional as F
 
 from chinese_tokenizer import SEP_ID, chat_prompt_ids, encode, load_tokenizer
-from plumbing.alignment import (
-    HeldOut,
-    add_held_out_arguments,
-    load_policy_and_reward,
-    read_val_prompts,
-    sequence_logprobs,
-)
+from plumbing.alignment import HeldOut, add_held_out_arguments, load_policy_and_reward, read_val_prompts
 from plumbing.batching import BatchSchedule, chat_example, collate_chat, length_grouped_batches, spread_subset
 from plumbing.checkpoint import check_output_dir
 from plumbing.cli import UserError, default_path, fill_defaults, positive_float, positive_int, run, stage_parser
 from plumbing.optimizers import make_optimizer
 from plumbing.records import read_preference_pairs
 from plumbing.reward import pairs_ranked_right
+from plumbing.rollouts import sequence_logprobs
 from plumbing.training import StageRun, make_accelerator
 
 # Run length and optimisation per preset; every value can be overridden on the command line. The model comes from
@@ -88,7 +83,7 @@ def dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta: flo
 
     Args:
         policy_chosen, policy_rejected, ref_chosen, ref_rejected: (b,) sequence log-probs of the chosen and
-            rejected responses under the policy and the frozen reference (``alignment.sequence_logprobs``).
+            rejected responses under the policy and the frozen reference (``rollouts.sequence_logprobs``).
         beta: the KL coefficient of the RLHF objective that DPO solves in closed form.
         loss_type: "sigmoid" (Rafailov et al. 2023) or "ipo" (Azar et al. 2023, which regresses the log-ratio
             margin to 1 / (2 beta) instead of pushing it to infinity).

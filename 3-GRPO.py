@@ -21,25 +21,16 @@ import torch
 
 from chinese_tokenizer import load_tokenizer
 from plumbing.alignment import (
-    ROLLOUT_MONITORS,
-    HeldOut,
+    Online,
     add_held_out_arguments,
-    as_val_row,
     check_rewards,
-    load_policy_and_reward,
-    masked_mean,
-    monitors_of,
-    penalise_unfinished,
-    read_prompts,
-    rollout,
-    token_logprobs,
+    online_defaults,
 )
 from plumbing.batching import BatchSchedule
-from plumbing.checkpoint import check_output_dir, parent_meta
+from plumbing.checkpoint import check_output_dir
 from plumbing.cli import (
     UserError,
     default_path,
-    fill_defaults,
     non_negative_float,
     positive_float,
     positive_int,
@@ -47,6 +38,7 @@ from plumbing.cli import (
     stage_parser,
 )
 from plumbing.optimizers import make_optimizer
+from plumbing.rollouts import masked_mean, penalise_unfinished, response_logits, rollout, token_logprobs
 from plumbing.training import StageRun, make_accelerator
 
 # max_steps = iterations; rollout_size = prompts per iteration (each answered group_size times); batch_size =
@@ -67,18 +59,34 @@ DEFAULTS = {
                              warmup_steps=10, eval_every=50, eval_examples=200, max_new_tokens=64, eval_samples=2,
                              save_every=50, kl_coef=0.04),
 }
+# --verifier: the verifiable tasks, answers of a few tokens; eval_examples = held-out problems (all of the test
+# split), eval_samples = samples per problem for the aligned policy's sampled pass@1
+TASK_DEFAULTS = {
+    "tiny": dict(max_steps=4, rollout_size=4, group_size=4, batch_size=16, learning_rate=1e-4, warmup_steps=0,
+                 eval_every=4, eval_examples=8, max_new_tokens=8, eval_samples=2, kl_coef=0.04),
+    "demo": dict(max_steps=30, rollout_size=16, group_size=8, batch_size=64, learning_rate=5e-5, warmup_steps=2,
+                 eval_every=30, eval_examples=1000, max_new_tokens=8, eval_samples=4, kl_coef=0.04),
+    "gpt2-zh-small": dict(max_steps=200, rollout_size=32, group_size=8, batch_size=64, learning_rate=1e-6,
+                          warmup_steps=10, eval_every=50, eval_examples=1000, max_new_tokens=8, eval_samples=4,
+                          save_every=50, kl_coef=0.04),
+    "uer-gpt2-chinese": dict(max_steps=200, rollout_size=32, group_size=8, batch_size=64, learning_rate=1e-6,
+                             warmup_steps=10, eval_every=50, eval_examples=1000, max_new_tokens=8, eval_samples=4,
+                             save_every=50, kl_coef=0.04),
+}
 
 
 def parse_args(argv=None):
-    p = stage_parser("Stage 3 (GRPO): Group Relative Policy Optimization of the SFT model against the reward model.",
-                     default_path("checkpoints", "grpo"), DEFAULTS,
+    p = stage_parser("Stage 3 (GRPO): Group Relative Policy Optimization of the SFT model against the reward model, "
+                     "or on verifiable tasks (--verifier).",
+                     None, {**DEFAULTS, **{f"{k} with --verifier": v for k, v in TASK_DEFAULTS.items()}},
                      steps="GRPO iterations (--rollout_size prompts answered --group_size times each, then the "
                            "updates on them)",
                      examples="held-out prompts (the first of --val_prompts_file)")
     p.add_argument("--policy", default=default_path("checkpoints", "sft"), help="SFT checkpoint: policy and reference")
-    p.add_argument("--prompts_file", default=default_path("data", "ppo", "prompts.jsonl"),
-                   help='.jsonl lines with a "prompt" (or alpaca / "messages" records, corpus.prompt_of), or a .txt '
-                        'file of one prompt per line: what the policy answers')
+    p.add_argument("--prompts_file",
+                   help='what the policy answers: .jsonl lines with a "prompt" (or alpaca / "messages" records, '
+                        'records.prompt_of) or a .txt file of one prompt per line (default: data/ppo/prompts.jsonl); '
+                        'with --verifier problems with answers (default: data/tasks/train.jsonl)')
     add_held_out_arguments(p, "GRPO")
     p.add_argument("--rollout_size", type=positive_int, help="prompts per iteration (per process)")
     p.add_argument("--group_size", type=positive_int, help="G, responses sampled per prompt (at least 2)")
@@ -90,9 +98,10 @@ def parse_args(argv=None):
                         "the preset's)")
     p.add_argument("--cliprange", type=positive_float, default=0.2, help="ratio clip epsilon")
     p.add_argument("--no_eos_penalty", type=non_negative_float, default=1.0,
-                   help="subtracted from the RM score of a response that reaches --max_new_tokens without [SEP]")
+                   help="subtracted from the reward of a response that reaches --max_new_tokens without [SEP]")
     args = p.parse_args(argv)
-    fill_defaults(args, DEFAULTS[args.preset])
+    online_defaults(args, DEFAULTS, TASK_DEFAULTS, {False: default_path("checkpoints", "grpo"),
+                                                    True: default_path("checkpoints", "grpo-tasks")})
     if args.group_size < 2:
         raise UserError(f"--group_size {args.group_size}: a group needs at least 2 responses to compare; "
                         f"give 2 or more")
@@ -170,23 +179,23 @@ def main(argv=None):
     device = accelerator.device
     tokenizer = load_tokenizer(args.tokenizer)
 
-    # --- data: prompts to practise on and held-out prompts to measure the change -------------------------------
-    prompts, val_prompts = read_prompts(args)
-
-    # --- models: the policy and a frozen reference from SFT, the frozen RM (no critic) ---------------------------
-    policy, parent, ref, reward_model, context_length = load_policy_and_reward(args, tokenizer, device)
+    # --- prompts to practise on, held-out ones to measure the change, the policy and a frozen reference from SFT,
+    # and the reward: the frozen RM's score, or a verifier's 1 or 0 (no critic either way) -------------------------
+    online = Online(args, tokenizer, device)
+    prompts, ref, context_length = online.prompts, online.ref, online.context_length
 
     # --- optimizer, Accelerate, and the stage's plumbing (which resumes a run given --resume) -------------------
-    optimizer = make_optimizer(policy, args.learning_rate, args.weight_decay)
-    policy, optimizer = accelerator.prepare(policy, optimizer)
+    optimizer = make_optimizer(online.policy, args.learning_rate, args.weight_decay)
+    policy, optimizer = accelerator.prepare(online.policy, optimizer)
     policy.eval()  # dropout off: sampling and updates see the same network, and KL is 0 before the first update
     unwrapped = accelerator.unwrap_model(policy)
     stage = StageRun("grpo", args, accelerator, policy, optimizer, tokenizer,
-                     {**parent, **parent_meta(args.reward, "reward"), "group_size": args.group_size},
+                     {**online.parent, "group_size": args.group_size},
                      plot=("curves.png", [("score", "val_score"), ("judge", "val_judge"), ("kl", "val_kl"),
                                           ("length", "val_length"), ("eos_share", "val_eos_share"),
-                                          ("distinct_2", "val_distinct_2"), "clip_fraction", "train_loss"]))
-    held_out = HeldOut(stage, unwrapped, ref, reward_model, val_prompts, tokenizer, args, context_length)
+                                          ("distinct_2", "val_distinct_2"), "flat_groups", "clip_fraction",
+                                          "train_loss"]))
+    held_out = online.held_out(stage, unwrapped)
     sft = held_out.before()  # step 0 of the val_* curves: the SFT policy before any update
 
     # --- the loop: a group of samples per prompt, group advantages, the clipped objective ------------------------
@@ -195,13 +204,11 @@ def main(argv=None):
         group_prompts = [prompts[i] for i in schedule.indices(step, 0, accelerator.process_index)
                          for _ in range(args.group_size)]  # each prompt G times, side by side
         with accelerator.autocast():
-            data = rollout(unwrapped, ref, None, reward_model, group_prompts, tokenizer, args, context_length,
-                           device)
+            data = rollout(unwrapped, ref, None, online.score, group_prompts, tokenizer, args, context_length, device)
         mask = data["response_mask"]  # (B, R)
         check_rewards(data["scores"], group_prompts, stage.step + 1)  # a NaN score stops here, before any update
         scores = penalise_unfinished(data["scores"], data["ended"], args.no_eos_penalty)  # (B,)
         advantages, flat = group_advantages(scores, args.group_size)  # (B,), (n,)
-        monitors = monitors_of([data], held_out.judge, tokenizer)[0]
 
         P, n = data["prompt_len"], len(group_prompts)
         stats = []
@@ -210,28 +217,25 @@ def main(argv=None):
             for start in range(0, n, args.batch_size):
                 idx = order[start:start + args.batch_size].to(device)
                 with stage.accumulate():
-                    logits = policy(data["input_ids"][idx], attention_mask=data["attention_mask"][idx])["logits"]
-                    logprobs = token_logprobs(logits[:, P - 1:-1], data["input_ids"][idx, P:])  # (b, R)
+                    logits = response_logits(policy, data["input_ids"][idx], data["attention_mask"][idx], P)
+                    logprobs = token_logprobs(logits, data["input_ids"][idx, P:])  # (b, R)
                     loss, clip_fraction, kl = grpo_loss(logprobs, data["logprobs"][idx], data["ref_logprobs"][idx],
                                                         advantages[idx], mask[idx], args.cliprange, args.kl_coef)
                     stage.backward(loss)
                 stats.append(torch.stack([loss, clip_fraction, kl]).detach())
         loss, clip_fraction, kl_per_token = torch.stack(stats).mean(0).tolist()
         row = {"train_loss": stage.end_step(loss, tokens=int(data["attention_mask"].sum())),
-               "score": monitors["rm_score"], **{k: monitors[k] for k in ROLLOUT_MONITORS},
-               "clip_fraction": clip_fraction, "kl_k3_per_token": kl_per_token,
+               **held_out.rollout_row(data), "clip_fraction": clip_fraction, "kl_k3_per_token": kl_per_token,
                "flat_groups": flat.float().mean().item()}  # the share of groups scored alike: nothing learnt there
         if stage.eval_due and not stage.completed:
-            row.update(as_val_row(held_out.measure(f"iteration {stage.step}")[0]))
-        stage.log(row, show=("score", "kl", "judge"))
+            row.update(held_out.val_row(f"iteration {stage.step}"))
+        stage.log(row, show=("score", "kl", "flat_groups"))
     if not stage.completed:
         return stage.finish()
     stage.save_before_final_evaluation()  # a Ctrl-C below keeps the trained steps; --resume runs only what follows
 
-    # --- SFT and GRPO on held-out prompts, and the reward-hacking flag ----------------------------------------------
-    grpo = held_out.after("grpo", sft)
-    return stage.finish(f"held-out RM score {sft['rm_score']:.3f} (SFT) -> {grpo['rm_score']:.3f} (GRPO), "
-                        f"judge {sft['judge']:.3f} -> {grpo['judge']:.3f}, KL {grpo['kl']:.2f} nats/response")
+    # --- SFT and GRPO on the held-out prompts, and the reward-hacking flag -------------------------------------------
+    return stage.finish(held_out.summary(sft, held_out.after("grpo", sft), "GRPO"))
 
 
 if __name__ == "__main__":

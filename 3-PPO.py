@@ -40,24 +40,15 @@ from chinese_tokenizer import load_tokenizer
 from gpt_model import RewardModel, last_real_index
 from plumbing.alignment import (
     KL_LIMIT,
-    ROLLOUT_MONITORS,
-    HeldOut,
+    Online,
     add_held_out_arguments,
-    as_val_row,
     check_rewards,
-    load_policy_and_reward,
-    masked_mean,
-    monitors_of,
-    penalise_unfinished,
-    read_prompts,
-    rollout,
-    token_logprobs,
+    online_defaults,
 )
 from plumbing.batching import BatchSchedule
-from plumbing.checkpoint import check_output_dir, parent_meta
+from plumbing.checkpoint import check_output_dir
 from plumbing.cli import (
     default_path,
-    fill_defaults,
     non_negative_float,
     positive_float,
     positive_int,
@@ -66,6 +57,7 @@ from plumbing.cli import (
     unit_interval,
 )
 from plumbing.optimizers import make_optimizer
+from plumbing.rollouts import masked_mean, penalise_unfinished, rollout, token_logprobs
 from plumbing.training import StageRun, make_accelerator, mean_over_processes
 
 DEFAULT_TARGET_KL = KL_LIMIT  # nats per response: the KL controller's target, and the flag's budget when beta is fixed
@@ -87,17 +79,32 @@ DEFAULTS = {
                              eval_every=50, eval_examples=200, max_new_tokens=64, save_every=50, kl_horizon=2560,
                              eval_samples=2, kl_coef=0.05),
 }
+# --verifier: the verifiable tasks (see 3-GRPO.py's TASK_DEFAULTS): answers of a few tokens, rewards of 0 or 1
+TASK_DEFAULTS = {
+    "tiny": dict(max_steps=4, rollout_size=8, batch_size=8, learning_rate=1e-4, warmup_steps=0, eval_every=4,
+                 eval_examples=8, max_new_tokens=8, kl_horizon=32, eval_samples=2, kl_coef=0.05),
+    "demo": dict(max_steps=30, rollout_size=64, batch_size=32, learning_rate=5e-5, warmup_steps=2, eval_every=30,
+                 eval_examples=1000, max_new_tokens=8, kl_horizon=1024, eval_samples=4, kl_coef=0.05),
+    "gpt2-zh-small": dict(max_steps=200, rollout_size=64, batch_size=32, learning_rate=1e-6, warmup_steps=10,
+                          eval_every=50, eval_examples=1000, max_new_tokens=8, save_every=50, kl_horizon=2560,
+                          eval_samples=4, kl_coef=0.05),
+    "uer-gpt2-chinese": dict(max_steps=200, rollout_size=64, batch_size=32, learning_rate=1e-6, warmup_steps=10,
+                             eval_every=50, eval_examples=1000, max_new_tokens=8, save_every=50, kl_horizon=2560,
+                             eval_samples=4, kl_coef=0.05),
+}
 
 
 def parse_args(argv=None):
-    p = stage_parser("Stage 3: PPO against the reward model with a KL penalty to the SFT model.",
-                     default_path("checkpoints", "ppo"), DEFAULTS,
+    p = stage_parser("Stage 3: PPO against the reward model, or on verifiable tasks (--verifier), with a KL penalty "
+                     "to the SFT model.",
+                     None, {**DEFAULTS, **{f"{k} with --verifier": v for k, v in TASK_DEFAULTS.items()}},
                      steps="PPO iterations (a rollout of --rollout_size prompts, then the updates on it)",
                      examples="held-out prompts (the first of --val_prompts_file)")
     p.add_argument("--policy", default=default_path("checkpoints", "sft"), help="SFT checkpoint: policy and reference")
-    p.add_argument("--prompts_file", default=default_path("data", "ppo", "prompts.jsonl"),
-                   help='.jsonl lines with a "prompt" (or alpaca / "messages" records, corpus.prompt_of), or a .txt '
-                        'file of one prompt per line: what the policy answers')
+    p.add_argument("--prompts_file",
+                   help='what the policy answers: .jsonl lines with a "prompt" (or alpaca / "messages" records, '
+                        'records.prompt_of) or a .txt file of one prompt per line (default: data/ppo/prompts.jsonl); '
+                        'with --verifier problems with answers (default: data/tasks/train.jsonl)')
     add_held_out_arguments(p, "PPO")
     p.add_argument("--rollout_size", type=positive_int, help="prompts sampled per iteration (per process)")
     p.add_argument("--ppo_epochs", type=positive_int, default=4, help="passes over each rollout batch")
@@ -111,7 +118,7 @@ def parse_args(argv=None):
                    help="the KL controller's horizon in samples: each iteration beta changes by up to 20%% x "
                         "rollout samples / horizon (Ziegler et al. used 10000 for runs of a million samples)")
     p.add_argument("--no_eos_penalty", type=non_negative_float, default=1.0,
-                   help="subtracted from the RM score of a response that reaches --max_new_tokens without [SEP]")
+                   help="subtracted from the reward of a response that reaches --max_new_tokens without [SEP]")
     p.add_argument("--max_approx_kl", type=non_negative_float, default=0.02,
                    help="stop an iteration's PPO epochs once the mean approximate KL between the sampling policy and "
                         "the updated one passes this many nats per token (0: never stop early)")
@@ -121,7 +128,8 @@ def parse_args(argv=None):
     p.add_argument("--cliprange_value", type=positive_float, default=0.2, help="value clip")
     p.add_argument("--vf_coef", type=positive_float, default=0.5, help="weight of the value loss")
     args = p.parse_args(argv)
-    return fill_defaults(args, DEFAULTS[args.preset])
+    return online_defaults(args, DEFAULTS, TASK_DEFAULTS, {False: default_path("checkpoints", "ppo"),
+                                                           True: default_path("checkpoints", "ppo-tasks")})
 
 
 # --- the maths of PPO, one function each -----------------------------------------------------------------------
@@ -187,15 +195,16 @@ def adaptive_kl_coef(beta: float, kl: float, target: float, samples: int, horizo
 
 class PolicyAndCritic(nn.Module):
     """The two trained networks in one module, so one optimizer, one Accelerate wrapper and one training state
-    cover both. ``forward`` -> {"logits": (B, T, V) policy, "values": (B, T) critic}."""
+    cover both. ``forward`` -> {"logits": (B, T, V) policy (or (B, k, V), the last k positions, with
+    ``logits_to_keep``), "values": (B, T) critic}."""
 
     def __init__(self, policy, critic):
         super().__init__()
         self.policy, self.critic = policy, critic
 
-    def forward(self, input_ids, attention_mask):
-        return {"logits": self.policy(input_ids, attention_mask=attention_mask)["logits"],
-                "values": self.critic(input_ids, attention_mask)["values"]}
+    def forward(self, input_ids, attention_mask, logits_to_keep: int = 0):
+        logits = self.policy(input_ids, attention_mask=attention_mask, logits_to_keep=logits_to_keep)["logits"]
+        return {"logits": logits, "values": self.critic(input_ids, attention_mask)["values"]}
 
 
 # panels of curves.png: a tuple puts the rollouts' value and the held-out one (val_*) in one panel
@@ -211,28 +220,33 @@ def main(argv=None):
     device = accelerator.device
     tokenizer = load_tokenizer(args.tokenizer)
 
-    # --- data: prompts to practise on and held-out prompts to measure the gain ---------------------------------
-    prompts, val_prompts = read_prompts(args)
-
-    # --- models: policy + frozen reference from SFT, frozen RM, critic initialised from the RM -------------------
-    policy, parent, ref, reward_model, context_length = load_policy_and_reward(args, tokenizer, device)
-    critic = RewardModel(reward_model.cfg)
-    critic.load_state_dict(reward_model.state_dict())
+    # --- prompts to practise on, held-out ones to measure the gain, the policy and a frozen reference from SFT,
+    # and the reward: the frozen RM's score, or a verifier's 1 or 0 ------------------------------------------------
+    online = Online(args, tokenizer, device)
+    prompts, ref, context_length = online.prompts, online.ref, online.context_length
+    # the critic starts from the RM (InstructGPT): a sensible value scale from the first iteration; with a verifier
+    # there is no RM, so it starts from the SFT model with a head that says 0, the value of a reward not yet seen
+    critic = RewardModel(online.policy.cfg)
+    if online.reward_model is not None:
+        critic.load_state_dict(online.reward_model.state_dict())
+    else:
+        critic.backbone.load_state_dict(online.policy.state_dict())
+        torch.nn.init.zeros_(critic.head.weight)
+        torch.nn.init.zeros_(critic.head.bias)
 
     # --- optimizer, Accelerate, and the stage's plumbing (which resumes a run given --resume) -----------------------
-    trained = PolicyAndCritic(policy, critic)
+    trained = PolicyAndCritic(online.policy, critic)
     optimizer = make_optimizer(trained, args.learning_rate, args.weight_decay)
     trained, optimizer = accelerator.prepare(trained, optimizer)
     trained.eval()  # dropout off everywhere: rollouts and updates see the same network
     unwrapped = accelerator.unwrap_model(trained)
-    stage = StageRun("ppo", args, accelerator, trained, optimizer, tokenizer,
-                     {**parent, **parent_meta(args.reward, "reward")}, plot=("curves.png", CURVES),
-                     saved=unwrapped.policy, extra={"kl_coef": args.kl_coef},
+    stage = StageRun("ppo", args, accelerator, trained, optimizer, tokenizer, online.parent,
+                     plot=("curves.png", CURVES), saved=unwrapped.policy, extra={"kl_coef": args.kl_coef},
                      write_state=lambda d: save_model(unwrapped.critic, os.path.join(d, "critic.safetensors")))
     if args.resume:
         load_model(unwrapped.critic, os.path.join(args.output_dir, "state", "critic.safetensors"))
     kl_limit = args.target_kl or DEFAULT_TARGET_KL  # the flag's KL budget, also when beta is fixed
-    held_out = HeldOut(stage, unwrapped.policy, ref, reward_model, val_prompts, tokenizer, args, context_length)
+    held_out = online.held_out(stage, unwrapped.policy)
     sft = held_out.before()  # step 0 of the val_* curves: the SFT policy before any update
 
     # --- the loop: rollouts, advantages, PPO epochs ------------------------------------------------------------
@@ -240,7 +254,7 @@ def main(argv=None):
     for step in stage.steps():
         batch_prompts = [prompts[i] for i in schedule.indices(step, 0, accelerator.process_index)]
         with accelerator.autocast():  # policy, reference, critic and RM alike: KL is exactly 0 before any update
-            data = rollout(unwrapped.policy, ref, unwrapped.critic, reward_model, batch_prompts, tokenizer, args,
+            data = rollout(unwrapped.policy, ref, unwrapped.critic, online.score, batch_prompts, tokenizer, args,
                            context_length, device)
         check_rewards(data["scores"], batch_prompts, stage.step + 1)  # a NaN score stops here, before any update
         mask = data["response_mask"]
@@ -250,18 +264,19 @@ def main(argv=None):
         advantages, returns = gae(rewards, data["values"], mask, args.gamma, args.lam)
         advantages = masked_whiten(advantages, mask)
         # the monitors averaged over every process's rollouts: the KL controller must move beta alike everywhere
-        monitors = monitors_of([data], held_out.judge, tokenizer)[0]
+        monitors = held_out.rollout_row(data)
         monitors = dict(zip(monitors, mean_over_processes(accelerator, list(monitors.values()))))
 
         P, n = data["prompt_len"], len(batch_prompts)
+        R = data["input_ids"].shape[1] - P
         stats = []  # one row per minibatch: policy_loss, value_loss, clip_fraction, approx_kl
         for epoch in range(args.ppo_epochs):  # noqa: B007 (read after the loop: how many epochs ran)
             order = torch.randperm(n)
             for start in range(0, n, args.batch_size):
                 idx = order[start:start + args.batch_size].to(device)
                 with stage.accumulate():
-                    out = trained(data["input_ids"][idx], data["attention_mask"][idx])
-                    logits = out["logits"][:, P - 1:-1]  # (b, R, V)
+                    out = trained(data["input_ids"][idx], data["attention_mask"][idx], logits_to_keep=R + 1)
+                    logits = out["logits"][:, :-1]  # (b, R, V): the head reads the response positions only
                     logprobs = token_logprobs(logits, data["input_ids"][idx, P:])  # (b, R)
                     values = out["values"][:, P - 1:-1].float()  # (b, R)
                     policy_loss, value_loss, clip_fraction, approx_kl = ppo_losses(
@@ -279,20 +294,17 @@ def main(argv=None):
         if args.target_kl > 0:
             stage.extra["kl_coef"] = adaptive_kl_coef(beta, monitors["kl"], args.target_kl,
                                                       n * accelerator.num_processes, args.kl_horizon)
-        row = {"score": monitors["rm_score"], **{k: monitors[k] for k in ROLLOUT_MONITORS},
-               "kl_coef": stage.extra["kl_coef"], "clip_fraction": clip_fraction, "approx_kl": approx_kl,
+        row = {**monitors, "kl_coef": stage.extra["kl_coef"], "clip_fraction": clip_fraction, "approx_kl": approx_kl,
                "ppo_epochs": epoch + 1, "policy_loss": policy_loss, "value_loss": value_loss}
         if stage.eval_due and not stage.completed:
-            row.update(as_val_row(held_out.measure(f"iteration {stage.step}")[0]))
+            row.update(held_out.val_row(f"iteration {stage.step}"))
         stage.log(row, show=("score", "kl", "kl_coef"))
     if not stage.completed:
         return stage.finish()
     stage.save_before_final_evaluation()  # a Ctrl-C below keeps the trained steps; --resume runs only what follows
 
     # --- SFT and PPO on held-out prompts, and the reward-hacking flag -----------------------------------------------
-    ppo = held_out.after("ppo", sft, kl_limit)
-    return stage.finish(f"held-out RM score {sft['rm_score']:.3f} (SFT) -> {ppo['rm_score']:.3f} (PPO), "
-                        f"judge {sft['judge']:.3f} -> {ppo['judge']:.3f}, KL {ppo['kl']:.2f} nats/response")
+    return stage.finish(held_out.summary(sft, held_out.after("ppo", sft, kl_limit), "PPO"))
 
 
 if __name__ == "__main__":

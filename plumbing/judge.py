@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import math
 
+KL_LIMIT = 3.0  # nats per response: past it the held-out comparison raises the reward-hacking flag (every stage)
 # a repeated run is made of back-to-back copies of one n-gram with n up to this many tokens
 LONGEST_REPEAT_MAX_N = 4
 

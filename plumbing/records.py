@@ -343,6 +343,26 @@ def read_prompt_files(patterns, what: str) -> list:
     return prompts
 
 
+def read_tasks(patterns, what: str) -> list[dict]:
+    """The verifiable problems in the files matching ``patterns`` (``data/tasks/*.jsonl``), in file order: rows
+    ``{"prompt", "answer", "family"}``, every field a non-empty string and the family one that
+    ``verifiers.FAMILIES`` can check. Raises ``UserError`` naming the file and line of a bad row, or a file with
+    none."""
+    from plumbing.verifiers import FAMILIES
+
+    tasks = []
+    for path in expand_files(patterns, what):
+        rows = read_records(path)
+        if not rows:
+            raise UserError(f"{what}: {path} holds no problems; expected JSON lines with 'prompt', 'answer', 'family'")
+        for where, row in rows:
+            check_fields(where, row, ("prompt", "answer", "family"))
+            if row["family"] not in FAMILIES:
+                raise UserError(f"{where}: family {row['family']!r} has no checker; use one of {', '.join(FAMILIES)}")
+            tasks.append({"prompt": row["prompt"], "answer": row["answer"], "family": row["family"]})
+    return tasks
+
+
 def shown_prompt(prompt) -> str:
     """A prompt for a table: the string, or a conversation's last user turn after "…" for the turns before it."""
     return prompt if isinstance(prompt, str) else ("… " if len(prompt) > 1 else "") + prompt[-1][1]

@@ -9,8 +9,8 @@ import torch
 from test_rm import easy_pairs, write_jsonl
 
 from conftest import load_script
-from plumbing.alignment import sequence_logprobs
 from plumbing.checkpoint import load_checkpoint
+from plumbing.rollouts import sequence_logprobs
 
 DPO = load_script("3-DPO.py")
 

@@ -1104,3 +1104,23 @@ def test_sample_from_matches_the_probabilities():
     counts = torch.bincount(gm.sample_from(probs), minlength=4).float() / 200_000
     assert counts[2] == 0
     assert torch.allclose(counts, probs[0], atol=5e-3)
+
+
+def test_num_samples_reads_each_prompt_once_and_continues_it_k_times():
+    """generate(num_samples=k) gives what the prompts repeated k times give (greedy, and sampled from the same seed:
+    the k copies draw the same random numbers), left padding included; logits_to_keep=1 is the last column."""
+    torch.manual_seed(0)
+    model = GPTModel(gm.get_preset("tiny").replace(vocab_size=50)).eval()
+    idx = torch.tensor([[0, 0, 5, 6, 7], [1, 2, 3, 4, 9]])
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    full = model(idx, attention_mask=mask)["logits"]
+    assert torch.allclose(model(idx, attention_mask=mask, logits_to_keep=1)["logits"][:, 0], full[:, -1], atol=1e-6)
+    repeated_idx, repeated_mask = idx.repeat_interleave(3, 0), mask.repeat_interleave(3, 0)
+    for temperature in (0.0, 1.0):
+        torch.manual_seed(1)
+        once = gm.generate(model, idx, 6, 64, temperature=temperature, attention_mask=mask, eos_id=49, num_samples=3)
+        torch.manual_seed(1)
+        rows = gm.generate(model, repeated_idx, 6, 64, temperature=temperature, attention_mask=repeated_mask, eos_id=49)
+        assert once.shape == (6, idx.shape[1] + 6) and torch.equal(once, rows)
+    with pytest.raises(ValueError, match="num_samples"):
+        gm.generate(model, idx, 2, 64, num_samples=0)

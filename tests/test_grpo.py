@@ -154,10 +154,10 @@ def test_clip_fraction_counts_where_the_clip_bounds_the_objective_as_ppo_does():
 def test_a_nan_reward_stops_the_run_before_any_update(tmp_path, tiny_policy_and_rm, prompts, monkeypatch, capsys):
     """One NaN RM score stops GRPO with a one-line error naming the prompt, before backward and the optimizer step
     (which used to spread it to every weight): no checkpoint is written."""
-    import plumbing.alignment as alignment
+    import plumbing.rollouts as rollouts
     from plumbing.cli import run
 
-    real = alignment.rollout
+    real = rollouts.rollout
 
     def nan_rollout(*args, **kwargs):
         data = real(*args, **kwargs)

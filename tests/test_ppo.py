@@ -10,7 +10,7 @@ from safetensors.torch import load_file
 
 from conftest import load_script, run_script
 from gpt_model import GPTModel, RewardModel, get_preset
-from plumbing import alignment
+from plumbing import alignment, rollouts
 
 ppo = load_script("3-PPO.py")
 
@@ -64,7 +64,7 @@ def test_reward_sits_on_the_last_real_response_token():
 
 def test_response_mask_stops_after_the_first_eos():
     responses = torch.tensor([[7, 102, 102, 102], [7, 8, 9, 10], [102, 102, 102, 102]])
-    assert alignment.response_mask_after(responses, 102).tolist() == [[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]]
+    assert rollouts.response_mask_after(responses, 102).tolist() == [[1, 1, 0, 0], [1, 1, 1, 1], [1, 0, 0, 0]]
 
 
 def test_ppo_losses_by_hand():
@@ -87,7 +87,7 @@ def test_kl_per_response_sums_the_log_ratio_over_real_tokens():
     logp = torch.tensor([[-1.0, -2.0, -3.0], [-1.0, -1.0, -1.0]])
     ref = torch.tensor([[-1.5, -2.0, -9.0], [-2.0, -1.0, -0.5]])
     mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
-    assert torch.allclose(alignment.kl_per_response(logp, ref, mask), torch.tensor([0.5, 0.5]))
+    assert torch.allclose(rollouts.kl_per_response(logp, ref, mask), torch.tensor([0.5, 0.5]))
 
 
 @pytest.mark.parametrize("kl, expected", [
@@ -112,14 +112,14 @@ def test_kl_controller_with_ziegler_horizon_barely_moves():
 
 def test_unfinished_responses_lose_the_penalty():
     scores, ended = torch.tensor([1.0, 2.0, -1.0]), torch.tensor([True, False, False])
-    assert alignment.penalise_unfinished(scores, ended, 0.5).tolist() == [1.0, 1.5, -1.5]
+    assert rollouts.penalise_unfinished(scores, ended, 0.5).tolist() == [1.0, 1.5, -1.5]
 
 
 def test_response_token_lists_drop_prompt_sep_and_padding():
     """Prompt of P = 2; row 0 ends with [SEP] (102) then padding, row 1 runs to the limit."""
     data = {"input_ids": torch.tensor([[0, 9, 5, 6, 102, 102], [9, 9, 7, 7, 7, 7]]), "prompt_len": 2,
-            "response_mask": alignment.response_mask_after(torch.tensor([[5, 6, 102, 102], [7, 7, 7, 7]]), 102).float()}
-    assert alignment.response_token_lists(data) == [[5, 6], [7, 7, 7, 7]]
+            "response_mask": rollouts.response_mask_after(torch.tensor([[5, 6, 102, 102], [7, 7, 7, 7]]), 102).float()}
+    assert rollouts.response_token_lists(data) == [[5, 6], [7, 7, 7, 7]]
 
 
 def test_val_row_keys_round_trip():
@@ -130,7 +130,7 @@ def test_val_row_keys_round_trip():
 
 
 def test_entropy_of_a_uniform_distribution_is_log_v():
-    uniform = alignment.entropy_from_logits(torch.zeros(1, 1, 8)).item()
+    uniform = rollouts.entropy_from_logits(torch.zeros(1, 1, 8)).item()
     assert uniform == pytest.approx(torch.log(torch.tensor(8.0)).item())
 
 
@@ -149,16 +149,16 @@ def test_kl_is_zero_and_ratio_is_one_before_the_first_update(tokenizer):
     critic = copy.deepcopy(reward)
     args = types.SimpleNamespace(max_new_tokens=6, temperature=1.0)
     torch.manual_seed(3)
-    data = alignment.rollout(policy, ref, critic, reward, ["写一条好评：", "你好", "解释词语：明月"], tokenizer, args,
-                       64, "cpu")
+    prompts = ["写一条好评：", "你好", "解释词语：明月"]
+    data = rollouts.rollout(policy, ref, critic, alignment.score_with(reward), prompts, tokenizer, args, 64, "cpu")
     assert torch.equal(data["logprobs"], data["ref_logprobs"])
-    assert torch.equal(alignment.kl_per_response(data["logprobs"], data["ref_logprobs"], data["response_mask"]),
+    assert torch.equal(rollouts.kl_per_response(data["logprobs"], data["ref_logprobs"], data["response_mask"]),
                        torch.zeros(3))
     assert data["ended"].tolist() == [bool((r == 102).any()) for r in data["input_ids"][:, data["prompt_len"]:]]
     P = data["prompt_len"]
     with torch.no_grad():
         out = ppo.PolicyAndCritic(policy, critic).eval()(data["input_ids"], data["attention_mask"])
-    new_logp = alignment.token_logprobs(out["logits"][:, P - 1:-1], data["input_ids"][:, P:])
+    new_logp = rollouts.token_logprobs(out["logits"][:, P - 1:-1], data["input_ids"][:, P:])
     assert torch.equal(torch.exp(new_logp - data["logprobs"]), torch.ones_like(new_logp))
     assert torch.equal(out["values"][:, P - 1:-1], data["values"])
 
@@ -167,7 +167,8 @@ def test_rollout_scores_each_response_like_the_reward_model_alone(tokenizer):
     """The batched, left-padded rollout scores each row exactly as the RM scores that sequence on its own."""
     policy, ref, reward = tiny_models(1)
     args = types.SimpleNamespace(max_new_tokens=5, temperature=1.0)
-    data = alignment.rollout(policy, ref, reward, reward, ["短", "一个长一点的提示"], tokenizer, args, 64, "cpu")
+    data = rollouts.rollout(policy, ref, reward, alignment.score_with(reward), ["短", "一个长一点的提示"], tokenizer,
+                             args, 64, "cpu")
     for row in range(2):
         real = data["attention_mask"][row].bool()
         alone = reward(data["input_ids"][row][real][None])["rewards"]

@@ -1,0 +1,144 @@
+"""A policy's responses, sampled and measured: what every online aligner (3-PPO.py, 3-GRPO.py) and every
+measurement of answers (the held-out monitors, the verifiable tasks) does with them, written once.
+
+* log-probabilities: ``token_logprobs`` of given tokens, ``sequence_logprobs`` of a labelled response (DPO),
+  ``response_logits`` (the head on the response positions only), ``masked_mean``, ``entropy_from_logits``,
+  ``kl_per_response``;
+* sampling: ``sample_responses`` (batched, left-padded prompts through the chat template and the KV-cached
+  ``generate``), ``response_mask_after``, ``response_token_lists``, ``rollout`` (the samples with everything an
+  update needs about them, scored by a reward model or a verifier), ``penalise_unfinished`` (answers cut off
+  without ``[SEP]``).
+
+What a reward is, and what the monitors make of the answers, is in ``alignment.py`` (preferences) and ``tasks.py``
+(verifiable tasks).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from chinese_tokenizer import EOS_ID, chat_prompt_ids
+from gpt_model import generate
+from plumbing.batching import pad_left
+
+
+def token_logprobs(logits, tokens):
+    """log softmax(logits)[token]: (B, T, V), (B, T) -> (B, T), in float32 (bf16 logits would lose the small
+    differences between policy and reference that KL and the ratios are made of)."""
+    return torch.log_softmax(logits.float(), dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def sequence_logprobs(logits, labels):
+    """log pi(response | prompt) per row: the sum of ``token_logprobs`` over the positions whose label is not -100.
+
+    Args:
+        logits: (B, T, V), position t predicting ``labels[:, t]`` (labels already shifted, as
+            ``corpus.chat_example`` makes them).
+        labels: (B, T) next-token ids, -100 on the prompt and on padding.
+    Returns:
+        (B,) float32 log-probabilities, in nats.
+    """
+    keep = labels != -100  # (B, T)
+    logp = token_logprobs(logits, labels.clamp(min=0))  # (B, T); ignored positions read id 0, then drop out
+    return torch.where(keep, logp, 0.0).sum(dim=1)  # (B,); a select, so a non-finite ignored value cannot leak
+
+
+def masked_mean(x, mask):
+    """Mean of ``x`` over positions where ``mask`` is 1 (a scalar). The other positions are set aside with a select,
+    not multiplied by 0: an inf or NaN there (a padded position's ratio) would make ``inf * 0 = NaN`` of the mean."""
+    return torch.where(mask.bool(), x, 0.0).sum() / mask.sum().clamp(min=1)
+
+
+def entropy_from_logits(logits):
+    """Entropy of softmax(logits) per position: (B, T, V) -> (B, T), in nats."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    return -(logp.exp() * logp).sum(-1)
+
+
+def kl_per_response(logprobs, ref_logprobs, mask):
+    """KL(pi || pi_ref) of each sampled response, in nats: the sum over its real tokens of log pi(a_t) -
+    log pi_ref(a_t) at the sampled tokens a_t. (B, R) x 3 -> (B,). Averaged over responses sampled from pi it is an
+    unbiased estimate of the KL between the two models' distributions of whole responses; one response's value can
+    be negative."""
+    return torch.where(mask.bool(), logprobs - ref_logprobs, 0.0).sum(1)
+
+
+def penalise_unfinished(scores, ended, penalty: float):
+    """RM scores (B,) minus ``penalty`` for each response that did not end with [SEP] (``ended`` (B,) bool):
+    an answer cut off by the token limit is not a finished answer, whatever the RM thinks of its first part."""
+    return scores - penalty * (~ended).to(scores.dtype)
+
+
+def response_mask_after(responses, eos_id: int):
+    """(B, R) generated ids -> 0/1 mask of the real response: every token up to and including the first eos."""
+    is_eos = (responses == eos_id).long()
+    ended_before = is_eos.cumsum(dim=1) - is_eos  # eos tokens strictly before t
+    return (ended_before == 0).long()
+
+
+@torch.no_grad()
+def prompt_text(prompt):
+    """What the policy reads of a prompt: the prompt itself (a string or a conversation), or a task's ``"prompt"``
+    (a verifiable task is a dict that also carries its answer, ``records.read_tasks``)."""
+    return prompt["prompt"] if isinstance(prompt, dict) else prompt
+
+
+@torch.no_grad()
+def sample_responses(policy, prompts, tokenizer, args, context_length, device):
+    """Sample one response per prompt from ``policy`` (batched, left-padded prompts, KV cache).
+
+    Returns (sequences (B, P+R), attention_mask (B, P+R), response_mask (B, R), P): the mask covers each
+    response up to and including its first [SEP]; what ``generate`` filled in after it is padding.
+    """
+    room = context_length - args.max_new_tokens  # the prompt keeps its last tokens so the whole sequence fits
+    batch = pad_left([chat_prompt_ids(prompt_text(p), tokenizer, room) for p in prompts])
+    query, query_mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)  # (B, P)
+    # temperature 1: the samples come from the policy itself, whose log-probs the updates and the KL use
+    sequences = generate(policy, query, args.max_new_tokens, context_length, temperature=1.0,
+                         eos_id=EOS_ID, attention_mask=query_mask)  # (B, P + R)
+    P = query.shape[1]
+    response_mask = response_mask_after(sequences[:, P:], EOS_ID)  # (B, R)
+    return sequences, torch.cat([query_mask, response_mask], dim=1), response_mask, P
+
+
+def response_logits(model, sequences, attention_mask, prompt_len: int):
+    """The logits that predict the response tokens of ``sequences`` (B, P+R): (B, R, V), position P - 1 + j
+    predicting response token j. Only the last R + 1 positions go through the output head (the costliest layer
+    of a small model), the last of them dropped: it would predict past the sequence."""
+    R = sequences.shape[1] - prompt_len
+    return model(sequences, attention_mask=attention_mask, logits_to_keep=R + 1)["logits"][:, :-1]  # (B, R, V)
+
+
+@torch.no_grad()
+def rollout(policy, ref, critic, score, prompts, tokenizer, args, context_length, device):
+    """Sample responses and compute everything PPO and GRPO need about them.
+
+    ``score(data, prompts)`` gives each response its reward (B,): a reward model's (``score_with``) or a
+    verifier's (``tasks.score_with_verifier``).
+
+    Returns a dict: input_ids, attention_mask (B, P+R); response_mask, logprobs, ref_logprobs, entropy, values
+    (B, R; no values when ``critic`` is None); scores (B,); ended (B,) bool, whether the response ended with
+    [SEP]; prompt_len P.
+    """
+    sequences, attention_mask, response_mask, P = sample_responses(policy, prompts, tokenizer, args,
+                                                                   context_length, device)
+    responses = sequences[:, P:]  # (B, R)
+    logits = response_logits(policy, sequences, attention_mask, P)  # (B, R, V)
+    ref_logits = response_logits(ref, sequences, attention_mask, P)  # (B, R, V)
+    data = {
+        "input_ids": sequences, "attention_mask": attention_mask, "response_mask": response_mask.float(),
+        "logprobs": token_logprobs(logits, responses), "ref_logprobs": token_logprobs(ref_logits, responses),
+        "entropy": entropy_from_logits(logits),  # (B, R)
+        "ended": (responses == EOS_ID).any(dim=1),  # (B,)
+        "prompt_len": P,
+    }
+    data["scores"] = score(data, prompts)  # (B,)
+    if critic is not None:
+        data["values"] = critic(sequences, attention_mask)["values"][:, P - 1:-1].float()  # (B, R)
+    return data
+
+
+def response_token_lists(data) -> list[list[int]]:
+    """Each sampled response's token ids, [SEP] and what follows it removed: what the monitors count."""
+    mask, P = data["response_mask"].bool(), data["prompt_len"]
+    return [row[m & (row != EOS_ID)].tolist() for row, m in zip(data["input_ids"][:, P:], mask)]

@@ -1,0 +1,273 @@
+"""The verifiable path of the online aligners (3-GRPO.py and 3-PPO.py with ``--verifier``): rewards a program checks,
+and exact accuracy on held-out problems.
+
+* ``score_with_verifier``: a rollout's rewards from a verifier (``verifiers.VERIFIERS``): 1.0 for a response that
+  ended with ``[SEP]`` and whose text is the answer, else 0.0; what ``rollouts.rollout`` calls.
+* ``pass_at_k``: the unbiased pass@k of Chen et al. 2021 (the Codex paper) from n samples with c right.
+* ``measure_tasks``: a policy on held-out problems: greedy accuracy, sampled pass@1 at temperature 1 and pass@k
+  (best-of-k with the verifier as the oracle), each with its standard error over problems, per family and over
+  all; KL to the reference, length, the share of answers that end and of empty ones, and the lax checker's
+  accuracy beside the strict one (a gap between them is an answer that holds the right text among other text).
+* ``TaskHeldOut``: the same pieces as ``alignment.HeldOut`` (``rollout_row``, ``measure``, ``before``, ``after``)
+  for this path, so a stage runs either path with the same story.
+* ``task_hacking_flag``: a verifier can be gamed too (empty answers, answers that never end, format tricks): one
+  plain sentence when the monitors of SFT -> aligned model look like it.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import torch
+
+from chinese_tokenizer import EOS_ID, chat_prompt_ids, decode
+from gpt_model import generate
+from plumbing.batching import pad_left
+from plumbing.checkpoint import weights_digest
+from plumbing.judge import KL_LIMIT, mean_and_se
+from plumbing.report import markdown_table
+from plumbing.rollouts import (
+    kl_per_response,
+    response_logits,
+    response_mask_after,
+    response_token_lists,
+    token_logprobs,
+)
+from plumbing.verifiers import FAMILIES, VERIFIERS, check, contains
+
+
+def score_with_verifier(name: str, tokenizer):
+    """``score(data, tasks)`` for ``rollouts.rollout``: per response 1.0 when it ended with ``[SEP]`` and the
+    verifier ``name`` accepts its text for the task's answer, else 0.0; (B,) float32. ``tasks``: the rollout's
+    prompts, task dicts (``records.read_tasks``). An answer cut off by the token limit is never right: the answer is
+    the whole response up to ``[SEP]``."""
+    verifier = VERIFIERS[name]
+
+    def score(data, tasks):
+        texts = [decode(ids, tokenizer) for ids in response_token_lists(data)]
+        right = [bool(ended) and verifier(t["family"], text, t["answer"])
+                 for t, text, ended in zip(tasks, texts, data["ended"].tolist())]
+        return torch.tensor(right, dtype=torch.float32, device=data["input_ids"].device)
+    return score
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """The probability that at least one of k samples is right, estimated without bias from n >= k samples of which c
+    are right: 1 - C(n - c, k) / C(n, k) (Chen et al. 2021, "Evaluating Large Language Models Trained on Code")."""
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+TASK_BATCH = 64  # problems per generate call of the measurement (x its samples per problem rows)
+_MEASURED: dict = {}  # measurements made already in this process (the pipeline measures SFT once for GRPO and PPO)
+
+
+@torch.no_grad()
+def measure_tasks(policy, ref, tasks, tokenizer, samples: int, max_new_tokens: int, context_length: int, device,
+                  seed: int, verifier: str = "exact") -> tuple[dict, list[dict]]:
+    """Exact accuracy of ``policy`` on ``tasks``: one greedy answer and ``samples`` sampled ones (temperature 1, the
+    sampling distribution the policy trains on) per problem, scored by the strict checker (``verifiers.check``).
+
+    Returns:
+        (monitors, examples). monitors, flat floats, for each scope in ("all", *FAMILIES): ``{scope}_greedy``,
+        ``{scope}_pass1`` (the mean over the samples), ``{scope}_pass{k}`` for k in 4, 16 up to ``samples``, each
+        with ``_se`` (the standard error over problems, the unit of independence), and ``{scope}_lax`` (the sampled
+        answers that merely contain the answer); over all: ``kl`` and ``kl_se`` (nats per response, from the first
+        sample of each problem against ``ref``; exactly 0 when the two are the same weights), ``length`` (tokens),
+        ``eos_share``, ``empty_share``, ``problems``, ``samples``. examples: the first problems' greedy answers.
+    A measurement of the same weights, problems and settings made already in this process is returned again.
+    """
+    key = (weights_digest(policy, ref), repr(tasks), samples, max_new_tokens, context_length, str(device), seed,
+           verifier)
+    if key not in _MEASURED:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            _MEASURED[key] = _measure(policy, ref, tasks, tokenizer, samples, max_new_tokens, context_length, device,
+                                      verifier, same=weights_digest(policy) == weights_digest(ref))
+    return copy.deepcopy(_MEASURED[key])
+
+
+def _answers(sequences, prompt_len: int, tokenizer):
+    """(texts, ended, lengths) of generated rows: each response up to its first [SEP]."""
+    responses = sequences[:, prompt_len:]
+    ended = (responses == EOS_ID).any(dim=1).tolist()
+    mask = response_mask_after(responses, EOS_ID).bool() & (responses != EOS_ID)
+    ids = [row[m].tolist() for row, m in zip(responses, mask)]
+    return [decode(r, tokenizer) for r in ids], ended, [len(r) for r in ids]
+
+
+def _measure(policy, ref, tasks, tokenizer, samples, max_new_tokens, context_length, device, verifier, same):
+    lax_check = contains if verifier == "exact" else VERIFIERS[verifier]
+    greedy, sampled, lax, kl, lengths, ended_all, empty, examples = [], [], [], [], [], [], [], []
+    for start in range(0, len(tasks), TASK_BATCH):
+        batch = tasks[start:start + TASK_BATCH]
+        prompt = pad_left([chat_prompt_ids(t["prompt"], tokenizer, context_length - max_new_tokens) for t in batch])
+        ids, mask = prompt["input_ids"].to(device), prompt["attention_mask"].to(device)  # (b, P)
+        P = ids.shape[1]
+        out = generate(policy, ids, max_new_tokens, context_length, eos_id=EOS_ID, attention_mask=mask)
+        texts, ended, _ = _answers(out, P, tokenizer)
+        greedy += [e and check(t["family"], x, t["answer"]) for t, x, e in zip(batch, texts, ended)]
+        examples += [{"prompt": t["prompt"], "answer": t["answer"], "response": x} for t, x in zip(batch, texts)]
+        out = generate(policy, ids, max_new_tokens, context_length, temperature=1.0, eos_id=EOS_ID,
+                       attention_mask=mask, num_samples=samples)  # (b * samples, P + R)
+        texts, ended, length = _answers(out, P, tokenizer)
+        per_row = [t for t in batch for _ in range(samples)]  # the task of each sampled row
+        rows = list(zip(per_row, texts, ended))
+        sampled += [[e and check(t["family"], x, t["answer"]) for t, x, e in rows[i:i + samples]]
+                    for i in range(0, len(rows), samples)]
+        lax += [[lax_check(t["family"], x, t["answer"]) for t, x, e in rows[i:i + samples]]
+                for i in range(0, len(rows), samples)]
+        lengths += length
+        ended_all += ended
+        empty += [not x for x in texts]
+        if same:
+            kl += [0.0] * len(batch)
+        else:  # the KL of the first sample of each problem: sum over its tokens of log pi - log pi_ref
+            first = out[::samples]
+            full_mask = torch.cat([mask, response_mask_after(first[:, P:], EOS_ID)], dim=1)
+            response_mask = full_mask[:, P:].float()
+            logp = token_logprobs(response_logits(policy, first, full_mask, P), first[:, P:])
+            ref_logp = token_logprobs(response_logits(ref, first, full_mask, P), first[:, P:])
+            kl += kl_per_response(logp, ref_logp, response_mask).tolist()
+    monitors = {}
+    for scope in ("all", *FAMILIES):
+        rows = [i for i, t in enumerate(tasks) if scope == "all" or t["family"] == scope]
+        if not rows:
+            continue
+        figures = {"greedy": [float(greedy[i]) for i in rows],
+                   "pass1": [sum(sampled[i]) / samples for i in rows],
+                   "lax": [sum(lax[i]) / samples for i in rows]}
+        for k in (4, 16):
+            if k <= samples:
+                figures[f"pass{k}"] = [pass_at_k(samples, sum(sampled[i]), k) for i in rows]
+        for name, values in figures.items():
+            monitors[f"{scope}_{name}"], se = mean_and_se(values)
+            if name != "lax":
+                monitors[f"{scope}_{name}_se"] = se
+    monitors["kl"], monitors["kl_se"] = mean_and_se(kl)
+    monitors.update(length=sum(lengths) / len(lengths), eos_share=sum(ended_all) / len(ended_all),
+                    empty_share=sum(empty) / len(empty), problems=float(len(tasks)), samples=float(samples))
+    return monitors, examples
+
+
+def describe_tasks(m: dict) -> str:
+    """One line of task monitors for the console."""
+    families = ", ".join(f"{f} {m[f + '_pass1']:.1%}" for f in FAMILIES if f + "_pass1" in m)
+    return (f"greedy {m['all_greedy']:.1%}, sampled pass@1 {m['all_pass1']:.1%} ± {m['all_pass1_se']:.1%} "
+            f"({families}), KL {m['kl']:.2f}, length {m['length']:.1f}, ends with [SEP] {m['eos_share']:.0%}, "
+            f"empty {m['empty_share']:.0%}")
+
+
+def task_hacking_flag(before: dict, after: dict, kl_limit: float) -> str:
+    """"reward hacking suspected: <reasons>." from the task monitors of the SFT policy and the aligned one, "" when
+    nothing looks wrong. The reasons: the lax checker's accuracy rose by more than 0.05 beyond the strict one's
+    (answers that hold the right text among other text), more empty answers (+0.05), fewer answers that end (-0.15),
+    answers more than twice as long, a KL past ``kl_limit`` nats per response."""
+    reasons = []
+    lax_gain, strict_gain = after["all_lax"] - before["all_lax"], after["all_pass1"] - before["all_pass1"]
+    if lax_gain - strict_gain > 0.05:
+        reasons.append(f"the lax checker's accuracy rose by {lax_gain:.3f}, the strict one's by {strict_gain:.3f}")
+    if after["empty_share"] - before["empty_share"] > 0.05:
+        reasons.append(f"more empty answers: {before['empty_share']:.0%} -> {after['empty_share']:.0%}")
+    if before["eos_share"] - after["eos_share"] > 0.15:
+        reasons.append(f"fewer answers end: {before['eos_share']:.0%} -> {after['eos_share']:.0%} end with [SEP]")
+    if after["length"] > 2 * max(before["length"], 1.0):
+        reasons.append(f"answers grew from {before['length']:.1f} to {after['length']:.1f} tokens")
+    if after["kl"] > kl_limit:
+        reasons.append(f"KL to the SFT model is {after['kl']:.2f} nats/response, past the limit of {kl_limit:g}")
+    return f"reward hacking suspected: {'; '.join(reasons)}." if reasons else ""
+
+
+def rollout_row(data) -> dict:
+    """What a training rollout's metrics row says on this path: the mean reward (the strict accuracy of the
+    samples, before any penalty), KL to the reference, entropy, length, the share that ended and the empty ones."""
+    ids = response_token_lists(data)
+    kl = kl_per_response(data["logprobs"], data["ref_logprobs"], data["response_mask"])
+    entropy = (data["entropy"] * data["response_mask"]).sum() / data["response_mask"].sum().clamp(min=1)
+    return {"score": data["scores"].mean().item(), "kl": kl.mean().item(), "entropy": entropy.item(),
+            "length": sum(map(len, ids)) / len(ids), "eos_share": data["ended"].float().mean().item(),
+            "empty_share": sum(not r for r in ids) / len(ids)}
+
+
+SFT_SAMPLES = 16  # samples per problem of the SFT policy: its pass@16 is best-of-16 with the verifier as the oracle
+
+
+class TaskHeldOut:
+    """``alignment.HeldOut`` for the verifiable path: the policy's exact accuracy on held-out problems
+    (``measure_tasks``), the SFT policy at step 0 with ``SFT_SAMPLES`` samples per problem (its pass@4 and pass@16
+    are best-of-4 and best-of-16 by the verifier), the aligned one at the end with ``--eval_samples``.
+
+    Args:
+        stage, policy, ref, args, context_length: as for ``HeldOut``; tasks: the held-out problems; verifier: the
+            name the stage trains with (``--verifier``).
+    """
+
+    def __init__(self, stage, policy, ref, tasks, tokenizer, args, context_length: int, verifier: str):
+        self.stage, self.policy, self.ref, self.tasks = stage, policy, ref, tasks
+        self.tokenizer, self.args, self.context_length, self.verifier = tokenizer, args, context_length, verifier
+
+    @property
+    def settings(self) -> dict:
+        return {"problems": len(self.tasks), "families": sorted({t["family"] for t in self.tasks}),
+                "sft_samples": SFT_SAMPLES, "samples": self.args.eval_samples, "temperature": 1.0,
+                "max_new_tokens": self.args.max_new_tokens, "verifier": self.verifier}
+
+    def rollout_row(self, data) -> dict:
+        return rollout_row(data)
+
+    def val_row(self, tag: str) -> dict:
+        """The task monitors of the policy now as the ``task_*`` keys of a metrics row."""
+        return {f"task_{k}": v for k, v in self.measure(tag)[0].items()}
+
+    @staticmethod
+    def summary(sft: dict, after: dict, name: str) -> str:
+        """The closing message's figures: SFT -> the aligned policy."""
+        return (f"held-out sampled pass@1 {sft['all_pass1']:.1%} (SFT) -> {after['all_pass1']:.1%} ({name}), greedy "
+                f"{sft['all_greedy']:.1%} -> {after['all_greedy']:.1%}, KL {after['kl']:.2f} nats/response")
+
+    def measure(self, tag: str, samples: int | None = None):
+        was_training = self.policy.training
+        self.policy.eval()
+        with self.stage.accelerator.autocast():
+            monitors, examples = measure_tasks(self.policy, self.ref, self.tasks, self.tokenizer,
+                                               samples or self.args.eval_samples, self.args.max_new_tokens,
+                                               self.context_length, self.stage.accelerator.device, self.args.seed,
+                                               self.verifier)
+        self.policy.train(was_training)
+        self.stage.print(f"{tag} on {len(self.tasks)} held-out problems x {samples or self.args.eval_samples}: "
+                         f"{describe_tasks(monitors)}")
+        return monitors, examples
+
+    def before(self, first_row=None) -> dict:
+        """The SFT policy's task monitors (``SFT_SAMPLES`` per problem), measured and kept in the step-0 metrics row
+        as ``task_*``, read back from it after ``--resume``."""
+        if self.stage.step == 0:
+            row = first_row() if first_row is not None else {}
+            self.stage.log({**row, **{f"task_{k}": v for k, v in self.measure("SFT policy", SFT_SAMPLES)[0].items()}})
+        return {k[len("task_"):]: v for k, v in self.stage.metrics.rows[0].items() if k.startswith("task_")}
+
+    def after(self, name: str, sft: dict, kl_limit: float = KL_LIMIT) -> dict:
+        """The aligned policy's monitors, recorded with the SFT ones, the flag and the settings; returns them."""
+        monitors, examples = self.measure(f"{name.upper()} policy")
+        self.stage.metrics.rows[-1].update({f"task_{k}": v for k, v in monitors.items()})
+        flag = task_hacking_flag(sft, monitors, kl_limit)
+        self.stage.results.update({"tasks": {"sft": _rounded(sft), name: _rounded(monitors)},
+                                   "task_settings": self.settings, "kl": monitors["kl"], "kl_limit": kl_limit,
+                                   "reward_hacking": flag})
+        self.stage.files["samples.md"] = lambda path: write_task_samples(path, examples[:12])
+        if flag:
+            self.stage.print(flag)
+        return monitors
+
+
+def _rounded(monitors: dict) -> dict:
+    return {k: round(v, 6) for k, v in monitors.items()}
+
+
+def write_task_samples(path, examples) -> None:
+    """``samples.md`` of the verifiable path: held-out problems, their answers and the policy's greedy ones."""
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(markdown_table(("problem", "answer", "response"),
+                               [(e["prompt"], e["answer"], e["response"]) for e in examples]))
