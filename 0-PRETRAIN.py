@@ -20,7 +20,7 @@ from chinese_tokenizer import load_tokenizer, text_to_token_ids, token_ids_to_te
 from gpt_model import GPTModel, generate, get_preset
 from plumbing.batching import BatchSchedule, spread_subset
 from plumbing.checkpoint import check_output_dir, check_vocab, load_backbone
-from plumbing.cli import UserError, default_path, fill_defaults, run, stage_parser
+from plumbing.cli import UserError, add_optimizer_argument, default_path, fill_defaults, run, stage_parser
 from plumbing.documents import load_text_documents
 from plumbing.optimizers import make_optimizer
 from plumbing.token_cache import PackedBlocks
@@ -58,10 +58,7 @@ def parse_args(argv=None):
     p.add_argument("--init_from_hf", help="start from a local Hugging Face GPT-2 directory (see load_weight.py)")
     p.add_argument("--context_length", type=int,
                    help="block length (default: the preset's, else the model's context_length)")
-    p.add_argument("--optimizer", choices=["adamw", "muon"],
-                   help="adamw for every weight, or muon: Muon for the blocks' matrices at 10x --learning_rate and "
-                        "AdamW for the token embedding at 30x and the norms and biases at 1x (training.make_optimizer; "
-                        "default: the preset's)")
+    add_optimizer_argument(p)
     args = p.parse_args(argv)
     fill_defaults(args, DEFAULTS[args.preset])
     if args.init and args.init_from_hf:

@@ -5,7 +5,7 @@ loss is the next-token loss on the response only: the prompt and the padding car
 response token (predicted at ``[ANS]``) and the closing ``[SEP]`` (the signal to stop) are learned. This is the
 "supervised fine-tuning" step of InstructGPT (Ouyang et al. 2022, section 3.5). Conversations of several turns
 (``{"messages": [...]}`` files) go through the same template turn after turn, and every assistant turn is learned;
-alpaca files (``{"instruction", "input", "output"}``) are one exchange each (``corpus.CHAT_FORMATS``).
+alpaca files (``{"instruction", "input", "output"}``) are one exchange each (``records.CHAT_FORMATS``).
 
 Story of the stage: arguments → data (pairs → template ids → shifted, response-only labels; batches of similar
 length, right-padded) → model from the pretrain checkpoint → the loop (the same AdamW, warm-up + cosine, clipping
@@ -30,7 +30,7 @@ from chinese_tokenizer import EOS_ID, chat_messages_ids, decode, load_tokenizer,
 from gpt_model import generate
 from plumbing.batching import BatchSchedule, ChatPairs, length_grouped_batches, spread_subset
 from plumbing.checkpoint import check_output_dir, load_backbone
-from plumbing.cli import UserError, default_path, fill_defaults, positive_int, run, stage_parser
+from plumbing.cli import UserError, add_optimizer_argument, default_path, fill_defaults, positive_int, run, stage_parser
 from plumbing.optimizers import make_optimizer
 from plumbing.records import read_chat_pairs
 from plumbing.report import markdown_table
@@ -40,13 +40,14 @@ from plumbing.training import StageRun, evaluate_lm, make_accelerator
 # 300 x 16 = 4800 pairs (about 200k tokens, a third of the training set) and fits in three minutes on 2 CPU cores;
 # its peak rate is the demo pretraining's, because the small model has much left to learn about the formats.
 DEFAULTS = {
-    "tiny": dict(max_steps=30, batch_size=8, learning_rate=3e-3, warmup_steps=3, eval_every=15, eval_examples=16),
+    "tiny": dict(max_steps=30, batch_size=8, learning_rate=3e-3, warmup_steps=3, eval_every=15, eval_examples=16,
+                 optimizer="adamw"),
     "demo": dict(max_steps=300, batch_size=16, learning_rate=2e-3, warmup_steps=20, eval_every=100,
-                 eval_examples=200),
+                 eval_examples=200, optimizer="adamw"),
     "gpt2-zh-small": dict(max_steps=3000, batch_size=16, learning_rate=1e-4, warmup_steps=100, eval_every=250,
-                          eval_examples=700, save_every=500),
+                          eval_examples=700, save_every=500, optimizer="adamw"),
     "uer-gpt2-chinese": dict(max_steps=3000, batch_size=16, learning_rate=5e-5, warmup_steps=100, eval_every=250,
-                             eval_examples=700, save_every=500),
+                             eval_examples=700, save_every=500, optimizer="adamw"),
 }
 # The fixed val prompts answered at each evaluation: the first val prompt containing each of these words (review
 # writing, both 歇后语 templates, a word definition), then evenly spread val rows up to --num_samples.
@@ -70,6 +71,7 @@ def parse_args(argv=None):
                    help="positions read per pair (default: the model's context_length); longer pairs lose the "
                         "start of their prompt")
     p.add_argument("--num_samples", type=positive_int, default=6, help="fixed val prompts answered at each eval")
+    add_optimizer_argument(p)
     args = p.parse_args(argv)
     fill_defaults(args, DEFAULTS[args.preset])
     return args
@@ -148,7 +150,7 @@ def main(argv=None):
     sample_rows = [val.rows[i] for i in pick_sample_rows(val.rows, args.num_samples)]
 
     # --- optimizer, Accelerate, and the stage's plumbing (which resumes a run given --resume) -----------------------
-    optimizer = make_optimizer(model, args.learning_rate, args.weight_decay)
+    optimizer = make_optimizer(model, args.learning_rate, args.weight_decay, args.optimizer)
     model, optimizer = accelerator.prepare(model, optimizer)
     stage = StageRun("sft", args, accelerator, model, optimizer, tokenizer, parent,
                      plot=("loss_curve.png", ["train_loss", "val_loss"]))

@@ -146,8 +146,8 @@ def pair_logprobs(model, batch):
 
 @torch.no_grad()
 def evaluate(policy, ref, items, args, accelerator) -> dict:
-    """Mean loss, implicit-reward accuracy (chosen reward > rejected reward, ``pairs_right``) and margin over
-    ``items``, each process taking every ``num_processes``-th pair."""
+    """Mean loss, implicit-reward accuracy (chosen reward > rejected reward, a tie half: ``reward.pairs_ranked_right``)
+    and margin over ``items``, each process taking every ``num_processes``-th pair."""
     was_training = policy.training
     policy.eval()
     totals = torch.zeros(4, device=accelerator.device, dtype=torch.float64)  # loss sum, correct, margin sum, count

@@ -113,10 +113,7 @@ def parse_args(argv=None):
     return args
 
 
-# --- loading ---------------------------------------------------------------------------------------------------
-
-
-# --- one prompt ------------------------------------------------------------------------------------------------
+# --- one prompt (the model is loaded by plumbing/inference.py, which serve.py shares) ----------------------------
 
 
 def check_prompt(prompt: str, where: str) -> str:
@@ -213,7 +210,7 @@ def write_monitors(path: str, samples: list[list[dict]], n: int) -> dict:
 
 def read_prompts(path: str) -> list:
     """Prompts from a text file (one per line; blank lines skipped) or from .jsonl / .json / .parquet records read
-    as the alignment stages read theirs (``corpus.prompt_of``: {"prompt"}, alpaca or "messages" records; a
+    as the alignment stages read theirs (``records.prompt_of``: {"prompt"}, alpaca or "messages" records; a
     conversation comes back as a tuple of turns)."""
     from plumbing.records import read_prompt_files, read_prompt_lines
 

@@ -26,17 +26,6 @@ from plumbing.checkpoint import (
 from plumbing.cli import ArgumentParser, UserError, default_path, run
 from plumbing.hf_weights import hf_weight_files, import_tokenizer, load_hf_gpt2, save_hf_gpt2
 
-# ----------------------------------------------------------------------------------------------------------------
-# Hugging Face -> GPTModel
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# GPTModel -> Hugging Face
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# command line
-
 EXAMPLES = """examples:
   # import a Hugging Face GPT-2 directory as a stage checkpoint (tokenizer: DIR's vocab.txt, else data/tokenizer)
   python load_weight.py --from_hf DIR --to_checkpoint checkpoints/hf-init

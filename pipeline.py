@@ -47,6 +47,7 @@ CHECKPOINTS = {"pretrain": "checkpoints/pretrain", "sft": "checkpoints/sft", "rm
                "ppo": "checkpoints/ppo", "dpo": "checkpoints/dpo", "grpo": "checkpoints/grpo"}
 STAGES = [("pretrain", "0-PRETRAIN.py"), ("sft", "1-SFT.py"), ("rm", "2-RM.py"), ("ppo", "3-PPO.py"),
           ("dpo", "3-DPO.py"), ("grpo", "3-GRPO.py")]
+STAGE_FLAGS: dict[str, list[str]] = {}  # flags a stage runs with besides --preset (none today)
 PARENTS = {"sft": "pretrain", "rm": "sft", "ppo": "sft", "dpo": "sft", "grpo": "sft"}  # whose weights each starts from
 
 
@@ -150,6 +151,12 @@ def return_free_memory() -> None:
         pass
 
 
+def stage_command(stage: str, script: str, preset: str) -> list[str]:
+    """The arguments the pipeline runs ``stage`` with: its script, the preset and its ``STAGE_FLAGS`` (each stage's
+    default --output_dir is its folder of ``CHECKPOINTS``)."""
+    return [script, "--preset", preset, *STAGE_FLAGS.get(stage, [])]
+
+
 def kept_from_earlier_run(stage: str, script: str, preset: str) -> bool:
     """Whether ``--resume`` keeps ``stage``'s checkpoint: finished (no resumable state/ left), written by the
     command the pipeline runs (``written_by_pipeline``) and trained from the checkpoints now in place
@@ -158,18 +165,18 @@ def kept_from_earlier_run(stage: str, script: str, preset: str) -> bool:
     if not os.path.isfile(os.path.join(path, "config.json")) or os.path.isdir(os.path.join(path, "state")):
         return False
     config = read_json(os.path.join(path, "config.json"))
-    return written_by_pipeline(config, script, preset) and trained_from_its_parent(stage, config)
+    return written_by_pipeline(config, stage, script, preset) and trained_from_its_parent(stage, config)
 
 
-def written_by_pipeline(config: dict, script: str, preset: str) -> bool:
-    """Whether ``config`` records the command the pipeline runs for ``script`` (``SCRIPT --preset PRESET``, with
-    or without --overwrite/--resume), whichever interpreter or launcher ran it: a hand-run ``--max_steps 10`` is
-    not the pipeline's stage."""
+def written_by_pipeline(config: dict, stage: str, script: str, preset: str) -> bool:
+    """Whether ``config`` records the command the pipeline runs for ``stage`` (``stage_command``, with or without
+    --overwrite/--resume), whichever interpreter or launcher ran it: a hand-run ``--max_steps 10`` is not the
+    pipeline's stage."""
     try:
         words = shlex.split(config.get("command", ""))
     except ValueError:
         return False
-    return [w for w in words[1:] if w not in ("--overwrite", "--resume")] == [script, "--preset", preset]
+    return [w for w in words[1:] if w not in ("--overwrite", "--resume")] == stage_command(stage, script, preset)
 
 
 def trained_from_its_parent(stage: str, config: dict) -> bool:
@@ -200,11 +207,11 @@ def plan_stages(args, launch: list[str]) -> list[tuple[str, str, list[str] | Non
         extra = ["--overwrite"] if args.overwrite or args.resume else []
         folder = os.path.join(ROOT, CHECKPOINTS[stage])
         config = read_json(os.path.join(folder, "config.json")) if os.path.isdir(os.path.join(folder, "state")) else {}
-        if resuming and config and written_by_pipeline(config, script, args.preset) and \
+        if resuming and config and written_by_pipeline(config, stage, script, args.preset) and \
                 trained_from_its_parent(stage, config):
             extra = ["--resume"]  # the stopped stage goes on from its saved steps (it refuses other settings)
         resuming = False
-        plan.append((stage, script, launch + [script, "--preset", args.preset] + extra))
+        plan.append((stage, script, launch + stage_command(stage, script, args.preset) + extra))
     return plan
 
 
@@ -242,7 +249,7 @@ def main(argv=None):
         if command is None:
             rows = read_rows(os.path.join(ROOT, CHECKPOINTS[stage], "metrics.jsonl"))
             times[stage] = max([r["time_s"] for r in rows if "time_s" in r] or [0.0])  # its training, in that run
-            kept.append(script.removesuffix(".py"))
+            kept.append(stage)
             print(f"\n=== [{number}/{total}] {script}: kept, finished by the earlier run ({CHECKPOINTS[stage]}) ===",
                   flush=True)
             continue

@@ -4,7 +4,8 @@
     .venv/bin/python bench/baselines.py --block_len 256 --eval_examples 48   # the blocks of an older demo
 
 Pretraining: the bigram is fitted on the --train_files token stream (documents joined by [SEP], as
-``corpus.PackedBlocks`` joins them) and scored on the --val_files predictions that 0-PRETRAIN's validation loss uses:
+``token_cache.PackedBlocks`` joins them) and scored on the --val_files predictions that 0-PRETRAIN's validation loss
+uses:
 every whole block of --block_len predictions, and the evenly spread subset of --eval_examples blocks that the stage
 evaluates (``training.spread_subset``). SFT: a bigram counted on the --sft_train responses' predictions (the ``[ANS]``
 before the first response token, each response token before the next, the last before ``[SEP]``), scored on the response

@@ -3,7 +3,7 @@
 It builds a corpus of at least ``--size_gb`` GB of JSON lines from ``data/pretrain/train.jsonl`` (the documents
 repeated, each copy in a new shuffled order, split over several files), then measures in one run:
 
-  tokenize   text MB/s on the first ``--sample_mb`` MB: the stages' own path (``corpus.tokenize_to_file``) on one
+  tokenize   text MB/s on the first ``--sample_mb`` MB: the stages' own path (``token_cache.tokenize_to_file``) on one
              thread and with the fast tokenizer's own threads (what the stages do), and ``datasets.map`` with 2
              processes for comparison
   first run  ``0-PRETRAIN.py --max_steps 20`` on the whole corpus from a cold cache: wall time and peak resident
@@ -74,7 +74,7 @@ def sample_file(paths: list[str], sample_mb: int, out: str) -> tuple[str, int]:
 
 def tokenize_rate(sample: str, size: int, num_proc: int, threads: bool = True) -> float:
     """Text MB/s of tokenizing ``sample`` with the project tokenizer. One process: the stages' own path,
-    ``corpus.tokenize_to_file`` (read, tokenize and write the token file); 2 processes: ``datasets.map`` with
+    ``token_cache.tokenize_to_file`` (read, tokenize and write the token file); 2 processes: ``datasets.map`` with
     ``num_proc=2`` on the same texts (tokenizing only), for comparison. ``threads=False`` turns off the fast
     tokenizer's own threads (TOKENIZERS_PARALLELISM)."""
     os.environ["TOKENIZERS_PARALLELISM"] = "true" if threads else "false"

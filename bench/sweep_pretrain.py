@@ -182,7 +182,7 @@ RECIPES = {
 
 
 def load_tokens(args):
-    """Train and val token streams (documents joined with [SEP], exactly ``corpus.PackedBlocks.tokens``)."""
+    """Train and val token streams (documents joined with [SEP], exactly ``token_cache.PackedBlocks.tokens``)."""
     from chinese_tokenizer import load_tokenizer
     from plumbing.documents import load_text_documents
     from plumbing.token_cache import PackedBlocks
@@ -218,7 +218,7 @@ def build_model(r: Recipe) -> GPTModel:
 
 
 def build_optimizer(model: GPTModel, r: Recipe) -> torch.optim.Optimizer:
-    """AdamW groups as training.make_optimizer builds them, or Muon + AdamW in one optimizer (``optimizer="muon"``).
+    """AdamW groups as optimizers.make_optimizer builds them, or Muon + AdamW in one optimizer (``optimizer="muon"``).
 
     Each group's ``lr_scale`` multiplies the schedule's learning rate in ``set_lr``.
     """

@@ -29,7 +29,7 @@ Outputs under ``data_dir`` (JSON lines, UTF-8, one record per line):
 * ``ppo/prompts.jsonl`` and ``ppo/val_prompts.jsonl`` ``{"prompt"}``;
 * ``tasks/{train,val,test}.jsonl`` ``{"prompt","answer","family"}``: problems with exact answers (sums and
   differences in Chinese-numeral digits, strings to reverse), generated from ``TASK_SEED`` with no problem in two
-  splits; the first training problems also go, with their answers, into ``sft/train.jsonl``;
+  splits (the demo's SFT does not learn them within its budget yet, so they are not in ``sft/``);
 * ``MANIFEST.json``: sources (version, licence, sha256) and per-file counts and sha256.
 
 Every split is decided by a hash of the text (never by RNG order), so the same sources give byte-identical files.
@@ -773,12 +773,11 @@ def split_sft(families: dict[str, dict[str, list[tuple[str, str]]]]) -> dict[str
 # --------------------------------------------------------------------------------------------------------------
 
 TASK_SEED = 20261203
-# problems per family in each split: the test split is the report card's held-out set (>= 500 per family), val is
-# for recipe sweeps, train feeds SFT (its first SFT_TASK_EXAMPLES per family, with the answers) and the RL stages
-TASK_SPLITS = {"test": 500, "val": 200, "train": 8000}
-SFT_TASK_EXAMPLES = 1500
-ARITHMETIC_RANGE = (10, 999)  # operands of 2 or 3 digits
-REVERSE_LENGTHS = (3, 5)  # characters to reverse
+# problems per family in the held-out splits: test is the report card's (>= 500 per family), val is for recipe sweeps
+TASK_HELD_OUT = {"test": 500, "val": 200}
+ARITHMETIC_RANGE = (10, 99)  # operands of 2 digits: 4095 unordered pairs, 700 held out, the rest for training
+REVERSE_TRAIN = 6000  # strings to reverse for training
+REVERSE_LENGTHS = (3, 4)  # characters to reverse
 ARITHMETIC_TEMPLATES = ["计算：{a}{op}{b}", "{a}{op}{b}等于多少？", "{a}{op}{b}得几？"]
 REVERSE_TEMPLATES = ["把“{s}”倒过来写。", "倒序写出：{s}", "“{s}”反过来是什么？"]
 # 120 common characters for the strings to reverse: each is one token of the vocabulary
@@ -787,49 +786,74 @@ REVERSE_CHARS = ("天地人日月山水火木金土风云雨雪花草树林石�
                  "开关来去出入生老病好坏新旧明暗冷热甜苦香书画笔纸门窗车船灯")
 
 
-def arithmetic_problem(rng) -> tuple[frozenset, dict]:
-    """One sum or difference (never negative) with its key, the unordered operand pair: no pair is in two
-    splits, whichever operation it comes with."""
+def arithmetic_rows(pair: tuple[int, int], forms: list[tuple[int, str, int]], rng) -> list[dict]:
+    """The problems of an operand pair: each (a, op, b) of ``forms`` in one of the templates, its answer the sum or
+    difference digit by digit in Chinese numerals (``verifiers.to_chinese_digits``)."""
     from plumbing.verifiers import to_chinese_digits
 
-    a, b = rng.randint(*ARITHMETIC_RANGE), rng.randint(*ARITHMETIC_RANGE)
-    if rng.random() < 0.5:
-        op, value = "加", a + b
-    else:
-        a, b = max(a, b), min(a, b)
-        op, value = "减", a - b
-    template = ARITHMETIC_TEMPLATES[rng.randrange(len(ARITHMETIC_TEMPLATES))]
-    prompt = template.format(a=to_chinese_digits(a), op=op, b=to_chinese_digits(b))
-    return frozenset((a, b)), {"prompt": prompt, "answer": to_chinese_digits(value), "family": "arithmetic"}
+    rows = []
+    for a, op, b in forms:
+        value = a + b if op == "加" else a - b
+        template = ARITHMETIC_TEMPLATES[rng.randrange(len(ARITHMETIC_TEMPLATES))]
+        rows.append({"prompt": template.format(a=to_chinese_digits(a), op=op, b=to_chinese_digits(b)),
+                     "answer": to_chinese_digits(value), "family": "arithmetic"})
+    return rows
 
 
-def reverse_problem(rng) -> tuple[str, dict]:
-    """One string of distinct characters to write backwards, with its key, the string (no string is in two
-    splits)."""
-    text = "".join(rng.sample(REVERSE_CHARS, rng.randint(*REVERSE_LENGTHS)))
-    template = REVERSE_TEMPLATES[rng.randrange(len(REVERSE_TEMPLATES))]
-    return text, {"prompt": template.format(s=text), "answer": text[::-1], "family": "reverse"}
+def arithmetic_tasks(seed: int) -> dict[str, list[dict]]:
+    """Sums and differences of two 2-digit numbers (carries and borrows included), by unordered operand pair: every
+    pair, shuffled, goes to one split, so no pair is in two. A held-out pair is one problem (a + b or the larger
+    minus the smaller, in a random order); a training pair is all three (a + b, b + a and the difference), the
+    most a pair can teach without giving a held-out pair away."""
+    import random
+
+    rng = random.Random(f"{seed}:arithmetic")
+    low, high = ARITHMETIC_RANGE
+    pairs = [(a, b) for a in range(low, high + 1) for b in range(a, high + 1)]
+    rng.shuffle(pairs)
+    out, start = {}, 0
+    for split, count in TASK_HELD_OUT.items():
+        out[split] = []
+        for a, b in pairs[start:start + count]:
+            x, y = (a, b) if rng.random() < 0.5 else (b, a)
+            form = (x, "加", y) if rng.random() < 0.5 else (max(a, b), "减", min(a, b))
+            out[split] += arithmetic_rows((a, b), [form], rng)
+        start += count
+    out["train"] = [row for a, b in pairs[start:]
+                    for row in arithmetic_rows((a, b), [(a, "加", b), (b, "加", a), (b, "减", a)], rng)]
+    return out
+
+
+def reverse_tasks(seed: int) -> dict[str, list[dict]]:
+    """Strings of 3-4 different characters to write backwards, drawn at random; a string drawn already (in any
+    split) is drawn again, so no input string is in two splits."""
+    import random
+
+    rng, seen, out = random.Random(f"{seed}:reverse"), set(), {}
+    for split, count in {**TASK_HELD_OUT, "train": REVERSE_TRAIN}.items():
+        out[split] = []
+        while len(out[split]) < count:
+            text = "".join(rng.sample(REVERSE_CHARS, rng.randint(*REVERSE_LENGTHS)))
+            if text in seen:
+                continue
+            seen.add(text)
+            template = REVERSE_TEMPLATES[rng.randrange(len(REVERSE_TEMPLATES))]
+            out[split].append({"prompt": template.format(s=text), "answer": text[::-1], "family": "reverse"})
+    return out
 
 
 def build_tasks(seed: int = TASK_SEED) -> dict[str, list[dict]]:
-    """The verifiable tasks, ``{split: [{"prompt", "answer", "family"}]}`` for the splits of ``TASK_SPLITS``: each
-    family's problems drawn from ``random.Random(seed)`` in the order test, val, train, a problem whose key
-    (operand pair, or input string) was drawn already being skipped, so the splits share no problem. Within a
-    split the two families alternate."""
-    import random
+    """The verifiable tasks, ``{split: [{"prompt", "answer", "family"}]}`` for test, val and train: each family's
+    problems generated from ``seed`` with no problem in two splits, the families interleaved (a training split's
+    order is then shuffled by the stages' own data order)."""
+    import itertools
 
+    families = [arithmetic_tasks(seed), reverse_tasks(seed)]
     out = {}
-    for family, make in (("arithmetic", arithmetic_problem), ("reverse", reverse_problem)):
-        rng, seen = random.Random(f"{seed}:{family}"), set()
-        for split, count in TASK_SPLITS.items():
-            rows = []
-            while len(rows) < count:
-                key, row = make(rng)
-                if key not in seen:
-                    seen.add(key)
-                    rows.append(row)
-            out.setdefault(split, []).append(rows)
-    return {split: [row for pair in zip(*families) for row in pair] for split, families in out.items()}
+    for split in ("test", "val", "train"):
+        rows = itertools.zip_longest(*(family[split] for family in families))
+        out[split] = [row for group in rows for row in group if row is not None]
+    return out
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -988,10 +1012,7 @@ def build_all(data_dir: Path, cache_dir: Path, with_poetry: bool, log, rebuild_t
     reviews = build_reviews(snow.text(snow_root + "sentiment/pos.txt"), snow.text(snow_root + "sentiment/neg.txt"))
     families["review"] = reviews["sft_units"]
     sft = split_sft(families)
-    tasks = build_tasks()
-    # SFT learns the tasks' format from their first training problems, with answers, beside the other families
-    sft["train"] += [{"prompt": t["prompt"], "response": t["answer"]} for t in tasks["train"][:2 * SFT_TASK_EXAMPLES]]
-    sft["train"] = hash_sorted(sft["train"], "sft:order", key=lambda r: r["prompt"] + "\x00" + r["response"])
+    tasks = build_tasks()  # not in sft/ yet: the demo SFT does not learn them within its budget (bench/README.md)
 
     files = {
         "pretrain/train.jsonl": [{"text": t} for t in pretrain["train"]],
@@ -1031,7 +1052,7 @@ def build_all(data_dir: Path, cache_dir: Path, with_poetry: bool, log, rebuild_t
             "people_daily_articles": len(pd_articles), "sanguo_chapters": len(chapters), "poetry_documents": n_poems,
             "definitions": len(families["definition"]), "xiehouyu": len(families["xiehouyu"]),
             "chat_questions": len(families["chat"]), "chat_conversations": len(convs), **reviews["counts"],
-            "task_seed": TASK_SEED, "sft_task_examples": 2 * SFT_TASK_EXAMPLES,
+            "task_seed": TASK_SEED, **{f"tasks_{split}": len(rows) for split, rows in tasks.items()},
         },
         "outputs": outputs,
         "rm_test_near_duplicates": near_duplicates,

@@ -3,7 +3,7 @@ against it.
 
 * ``BigramLM``: an interpolated Kneser–Ney token bigram (Kneser & Ney 1995; the interpolated form of Chen &
   Goodman 1998, section 3), fitted on a token stream. ``cross_entropy(tokens, block_len, blocks)`` scores exactly the
-  predictions that ``corpus.PackedBlocks`` makes the model train and evaluate on: block ``i`` predicts
+  predictions that ``token_cache.PackedBlocks`` makes the model train and evaluate on: block ``i`` predicts
   ``tokens[iL + t + 1]`` from what comes before it, for t in 0..L-1, so a bigram predicts it from ``tokens[iL + t]``.
   ``BigramLM.from_pairs`` counts the same model on chosen (previous, next) pairs: ``chat_predictions`` gives
   those of SFT's response-only loss, so a bigram of the training responses scores what 1-SFT's val loss scores.
@@ -109,7 +109,7 @@ def chat_predictions(examples, indices=None):
     """The (previous, target) token pairs that SFT's response-only loss scores in chat examples.
 
     Args:
-        examples: ``(inputs, labels)`` pairs as ``corpus.ChatPairs`` holds them (labels already shifted, -100 on
+        examples: ``(inputs, labels)`` pairs as ``batching.ChatPairs`` holds them (labels already shifted, -100 on
             the prompt); ``indices``: which examples (default: all).
     Returns:
         (previous, target): two (n,) int64 arrays, one entry per label that is not -100: ``target`` is the label,

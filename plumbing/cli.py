@@ -172,6 +172,14 @@ def stage_parser(description: str, output_dir: str, defaults: dict, steps: str =
     return p
 
 
+def add_optimizer_argument(p) -> None:
+    """``--optimizer`` of the stages that train a whole language model (pretraining, SFT); default: the preset's."""
+    p.add_argument("--optimizer", choices=["adamw", "muon"],
+                   help="adamw for every weight, or muon: Muon for the blocks' matrices at 10x --learning_rate and "
+                        "AdamW for the token embedding at 30x and the norms and biases at 1x "
+                        "(optimizers.make_optimizer; default: the preset's)")
+
+
 def default_path(*parts: str) -> str:
     """A path relative to the repository (the folder above this package), shown relative to the working
     directory."""

@@ -33,7 +33,7 @@ def sequence_logprobs(logits, labels):
 
     Args:
         logits: (B, T, V), position t predicting ``labels[:, t]`` (labels already shifted, as
-            ``corpus.chat_example`` makes them).
+            ``batching.chat_example`` makes them).
         labels: (B, T) next-token ids, -100 on the prompt and on padding.
     Returns:
         (B,) float32 log-probabilities, in nats.

@@ -160,7 +160,8 @@ def fake_checkpoint(root, stage, preset="demo", parent_weights=None, state=False
     (folder / "model.safetensors").write_bytes(weights or stage.encode())
     parent = file_sha256(str(parent_weights)) if parent_weights else None
     config = {"stage": stage, "parent_sha256": parent,
-              "command": f"python {script} --preset {preset} --overwrite{more_flags}"}
+              "command": " ".join(["python", *pipeline.stage_command(stage, script, preset), "--overwrite"])
+              + more_flags}
     if reward_weights:
         config.update(reward="rm", reward_sha256=file_sha256(str(reward_weights)))
     (folder / "config.json").write_text(json.dumps(config), encoding="utf-8")
@@ -171,7 +172,8 @@ def fake_checkpoint(root, stage, preset="demo", parent_weights=None, state=False
 
 def planned(argv):
     args = pipeline.parse_args(argv)
-    return {stage: command and command[4:] for stage, _, command in pipeline.plan_stages(args, ["python"])}
+    return {stage: command and command[1 + len(pipeline.stage_command(stage, script, args.preset)):]
+            for stage, script, command in pipeline.plan_stages(args, ["python"])}
 
 
 def test_resume_keeps_the_finished_stages_and_continues_the_stopped_one(tmp_path, monkeypatch):

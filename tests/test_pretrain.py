@@ -89,7 +89,7 @@ def test_tokens_are_cached_on_disk_and_read_lazily(tokenizer, tmp_path, monkeypa
     import datasets
     import numpy as np
 
-    from plumbing import token_cache as corpus
+    from plumbing import token_cache
 
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "cache"))
     path = tmp_path / "docs.jsonl"
@@ -102,7 +102,7 @@ def test_tokens_are_cached_on_disk_and_read_lazily(tokenizer, tmp_path, monkeypa
         raise AssertionError("tokenized again although the cache holds these tokens")
 
     with monkeypatch.context() as m:
-        m.setattr(corpus, "tokenize_to_file", no_tokenizing)
+        m.setattr(token_cache, "tokenize_to_file", no_tokenizing)
         again = PackedBlocks(load_text_documents([str(path)], "test"), tokenizer, block_len=3)
         assert again.tokens.tolist() == first.tokens.tolist()
         with path.open("a", encoding="utf-8") as f:
@@ -276,7 +276,7 @@ def test_a_killed_runs_half_written_token_file_is_removed_and_sigterm_cleans_up(
     import time
 
     from conftest import REPO_ROOT
-    from plumbing import token_cache as corpus
+    from plumbing import token_cache
 
     path = str(tmp_path / "t" / "abc.bin")
     os.makedirs(os.path.dirname(path))
@@ -286,7 +286,7 @@ def test_a_killed_runs_half_written_token_file_is_removed_and_sigterm_cleans_up(
         open(leftover, "w").close()
     docs = tmp_path / "d.jsonl"
     docs.write_text('{"text": "你好"}\n', encoding="utf-8")
-    corpus.tokenize_to_file(load_text_documents([str(docs)], "x"), tokenizer, path, None, "x")
+    token_cache.tokenize_to_file(load_text_documents([str(docs)], "x"), tokenizer, path, None, "x")
     assert sorted(os.listdir(tmp_path / "t")) == ["abc.bin", os.path.basename(live), "abc.json"]
 
     big = tmp_path / "big.jsonl"  # about 6 MB: a few seconds of tokenizing

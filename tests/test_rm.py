@@ -1,4 +1,5 @@
-"""Tests for the reward model stage: reward.py (scoring, losses, metrics), corpus.pad_right and 2-RM.py."""
+"""Tests for the reward model stage: plumbing/reward.py (scoring, the pair-accuracy rule),
+batching.pad_right and 2-RM.py (its losses and metrics)."""
 
 import importlib.util
 import json

@@ -1,4 +1,5 @@
-"""Tests for supervised fine-tuning: the response-only labels and batches (corpus.py) and 1-SFT.py end to end."""
+"""Tests for supervised fine-tuning: the response-only labels and batches (plumbing/batching.py, records.py) and
+1-SFT.py end to end."""
 
 import hashlib
 import importlib.util
@@ -194,7 +195,7 @@ def test_system_flag_opens_conversations_without_their_own(tmp_path):
 
 
 def test_prompt_records_of_the_alignment_stages(tmp_path, tokenizer):
-    """PPO/GRPO prompts (corpus.prompt_of): ours, alpaca and messages records; one user turn stays the plain
+    """PPO/GRPO prompts (records.prompt_of): ours, alpaca and messages records; one user turn stays the plain
     string (so the layout is the old one), a conversation becomes turns laid out by chat_messages_ids; a record
     that does not end with a user turn is a one-line error naming its line."""
     from chinese_tokenizer import ANSWER_ID, CLS_ID, SEP_ID, chat_prompt_ids

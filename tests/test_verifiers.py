@@ -1,0 +1,183 @@
+"""The verifiable path: the strict checkers by hand, the tasks' splits, pass@k, the reward of a rollout, what a lax
+checker invites, and a tiny GRPO run whose held-out accuracy must rise (and fall with the advantage sign flipped)."""
+
+import json
+import math
+import sys
+
+import pytest
+import torch
+
+from conftest import REPO_ROOT, load_script
+from plumbing import verifiers
+from plumbing.tasks import pass_at_k, task_hacking_flag
+
+
+@pytest.mark.parametrize("response, right", [
+    ("六三二", True),  # 632
+    ("六三三", False),  # wrong
+    ("六三二二", False), ("六三", False),  # a character more or less
+    ("", False),  # empty
+    ("632", False), ("６３２", False), ("٦٣٢", False),  # the same digits in Arabic, full-width and Arabic-Indic
+    ("六百三十二", False),  # the number in words is not the answer's form
+    ("〇六三二", False), ("六三二。", False), (" 六三二", False), ("得六三二", False),  # leading 〇, extra characters
+])
+def test_the_arithmetic_checker_wants_the_canonical_digits_and_nothing_else(response, right):
+    assert verifiers.check("arithmetic", response, "六三二") is right
+
+
+def test_numbers_in_chinese_digits_by_hand():
+    assert verifiers.to_chinese_digits(632) == "六三二" and verifiers.to_chinese_digits(0) == "〇"
+    assert verifiers.to_chinese_digits(105) == "一〇五"
+    assert verifiers.parse_number("一〇五") == 105 and verifiers.parse_number("〇") == 0
+    assert verifiers.parse_number("零五") is None and verifiers.parse_number("〇五") is None
+    assert verifiers.parse_number("") is None and verifiers.parse_number("一二三x") is None
+    assert verifiers.check("arithmetic", "〇", "〇")  # a difference of 0 is written 〇
+    with pytest.raises(ValueError):
+        verifiers.to_chinese_digits(-1)
+
+
+@pytest.mark.parametrize("response, right", [
+    ("冬秋夏春", True), ("冬秋夏", False), ("冬秋夏春春", False), ("", False), ("春夏秋冬", False),
+    ("冬 秋夏春", False), ("“冬秋夏春”", False),
+])
+def test_the_reverse_checker_wants_the_reversed_string_exactly(response, right):
+    assert verifiers.check("reverse", response, "冬秋夏春") is right
+
+
+def test_the_lax_checker_accepts_what_the_strict_one_refuses():
+    assert verifiers.contains("arithmetic", "六三一六三二六三三", "六三二")
+    assert not verifiers.check("arithmetic", "六三一六三二六三三", "六三二")
+    assert set(verifiers.VERIFIERS) == {"exact", "contains"}
+
+
+def test_pass_at_k_by_hand():
+    # n = 4 samples, c = 1 right: pass@1 = 1/4, pass@2 = 1 - C(3,2)/C(4,2) = 1 - 3/6, pass@4 = 1
+    assert pass_at_k(4, 1, 1) == pytest.approx(0.25) and pass_at_k(4, 1, 2) == pytest.approx(0.5)
+    assert pass_at_k(4, 1, 4) == 1.0 and pass_at_k(4, 0, 4) == 0.0
+    assert pass_at_k(16, 3, 4) == pytest.approx(1 - math.comb(13, 4) / math.comb(16, 4))
+
+
+@pytest.fixture(scope="module")
+def task_splits():
+    sys.path.insert(0, str(REPO_ROOT / "data"))
+    import prepare
+
+    return prepare.build_tasks()
+
+
+def test_the_held_out_problems_share_nothing_with_training(task_splits):
+    """No operand pair (whichever operation or order) and no input string is in two splits; each held-out split has
+    500 (test) and 200 (val) problems per family, and every answer passes its own checker."""
+    def keys(rows):
+        found = set()
+        for row in rows:
+            if row["family"] == "arithmetic":
+                numbers = [n for n in row["prompt"].replace("加", "|").replace("减", "|").split("|")]
+                a = verifiers.parse_number("".join(ch for ch in numbers[0] if ch in verifiers.CHINESE_DIGITS))
+                b = verifiers.parse_number("".join(ch for ch in numbers[1] if ch in verifiers.CHINESE_DIGITS))
+                found.add(("arithmetic", frozenset((a, b))))
+            else:
+                found.add(("reverse", row["answer"][::-1]))
+        return found
+
+    splits = {name: keys(rows) for name, rows in task_splits.items()}
+    assert not splits["test"] & splits["train"] and not splits["val"] & splits["train"]
+    assert not splits["test"] & splits["val"]
+    for name, count in (("test", 500), ("val", 200)):
+        assert sum(r["family"] == "arithmetic" for r in task_splits[name]) == count
+        assert sum(r["family"] == "reverse" for r in task_splits[name]) == count
+    assert all(verifiers.check(r["family"], r["answer"], r["answer"]) for rows in task_splits.values() for r in rows)
+    sums = [r for r in task_splits["test"] if "加" in r["prompt"]]
+    assert any(verifiers.parse_number(r["answer"]) >= 100 for r in sums)  # carries into the hundreds
+
+
+def test_the_tasks_are_the_same_from_the_same_seed(task_splits):
+    sys.path.insert(0, str(REPO_ROOT / "data"))
+    import prepare
+
+    assert prepare.build_tasks() == task_splits
+    assert prepare.build_tasks(seed=1) != task_splits
+
+
+def rollout_data(tokenizer, answers, ended):
+    """A fake rollout dict whose responses are ``answers`` (token ids after a 2-token prompt)."""
+    from chinese_tokenizer import EOS_ID, encode
+    from plumbing.rollouts import response_mask_after
+
+    rows = [encode(a, tokenizer) + ([EOS_ID] if e else []) for a, e in zip(answers, ended)]
+    width = max(map(len, rows)) or 1
+    responses = torch.tensor([r + [EOS_ID] * (width - len(r)) for r in rows])
+    return {"input_ids": torch.cat([torch.full((len(rows), 2), 101), responses], dim=1), "prompt_len": 2,
+            "response_mask": response_mask_after(responses, EOS_ID).float(), "ended": torch.tensor(ended)}
+
+
+def test_the_verifier_rewards_only_a_whole_answer_that_ended(tokenizer):
+    """1.0 for the right answer followed by [SEP]; 0.0 for the right answer cut off before [SEP], for a wrong one and
+    for an empty one."""
+    from plumbing.tasks import score_with_verifier
+
+    tasks = [{"prompt": "计算：三加四", "answer": "七", "family": "arithmetic"}] * 4
+    data = rollout_data(tokenizer, ["七", "七", "八", ""], [True, False, True, True])
+    assert score_with_verifier("exact", tokenizer)(data, tasks).tolist() == [1.0, 0.0, 0.0, 0.0]
+
+
+def test_a_lax_checker_is_exploited_and_the_strict_one_and_the_monitors_are_not(tokenizer):
+    """A policy that answers every problem with a list of candidates farms the lax checker (reward 1 on every
+    problem) and gets 0 from the strict one, and the hacking flag names it from the monitors alone."""
+    from plumbing.tasks import score_with_verifier
+
+    answers = [verifiers.to_chinese_digits(n) for n in range(20, 41)]
+    tasks = [{"prompt": "计算：一二加一五", "answer": verifiers.to_chinese_digits(27), "family": "arithmetic"},
+             {"prompt": "计算：二〇加一四", "answer": verifiers.to_chinese_digits(34), "family": "arithmetic"}]
+    farming = "".join(answers)  # "二〇二一二二…四〇": every candidate at once
+    data = rollout_data(tokenizer, [farming, farming], [True, True])
+    assert score_with_verifier("contains", tokenizer)(data, tasks).tolist() == [1.0, 1.0]
+    assert score_with_verifier("exact", tokenizer)(data, tasks).tolist() == [0.0, 0.0]
+    honest = {"all_pass1": 0.30, "all_lax": 0.32, "empty_share": 0.0, "eos_share": 0.98, "length": 2.5, "kl": 0.0}
+    hacked = {"all_pass1": 0.05, "all_lax": 0.95, "empty_share": 0.0, "eos_share": 0.90, "length": 40.0, "kl": 6.0}
+    flag = task_hacking_flag(honest, hacked, kl_limit=3.0)
+    assert "lax checker" in flag and "answers grew" in flag and "KL" in flag
+    assert task_hacking_flag(honest, {**honest, "all_pass1": 0.5, "all_lax": 0.52, "kl": 0.5}, 3.0) == ""
+
+
+GRPO = load_script("3-GRPO.py")
+SFT = load_script("1-SFT.py")
+
+
+def one_token_tasks(path, n, answer):
+    """``n`` problems of the reverse family whose answer is the one character ``answer``."""
+    rows = [{"prompt": f"第{i}题：把“{answer}”倒过来写。", "answer": answer, "family": "reverse"} for i in range(n)]
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+@pytest.mark.slow
+def test_grpo_with_the_verifier_raises_held_out_accuracy_and_the_flipped_sign_lowers_it(
+        tmp_path, tiny_pretrain_checkpoint, monkeypatch):
+    """A one-token-answer task: a tiny SFT that sometimes answers 春, then GRPO rewarded by the verifier. Held-out
+    sampled accuracy must rise within a few iterations; with the group advantages negated it must not."""
+    train = one_token_tasks(tmp_path / "train.jsonl", 64, "春")
+    test = one_token_tasks(tmp_path / "test.jsonl", 16, "春")
+    pairs = [(f"第{i}题：把“春”倒过来写。", "春" if i % 3 else "秋") for i in range(48)]  # right two times in three
+    sft_data = tmp_path / "sft.jsonl"
+    sft_data.write_text("".join(json.dumps({"prompt": p, "response": r}, ensure_ascii=False) + "\n"
+                                for p, r in pairs), encoding="utf-8")
+    sft = tmp_path / "sft"
+    assert SFT.main(["--preset", "tiny", "--init", str(tiny_pretrain_checkpoint), "--train_files", str(sft_data),
+                     "--val_files", str(sft_data), "--output_dir", str(sft), "--max_steps", "80",
+                     "--learning_rate", "1e-2"]) == 0
+
+    def run(out):
+        assert GRPO.main(["--preset", "tiny", "--verifier", "exact", "--policy", str(sft), "--prompts_file",
+                          str(train), "--val_prompts_file", str(test), "--output_dir", str(out), "--max_steps", "6",
+                          "--learning_rate", "3e-3", "--eval_samples", "8", "--eval_examples", "16"]) == 0
+        tasks = json.loads((out / "config.json").read_text(encoding="utf-8"))["metrics"]["tasks"]
+        return tasks["sft"]["all_pass1"], tasks["grpo"]["all_pass1"]
+
+    before, after = run(tmp_path / "grpo")
+    assert 0.05 < before < 0.95 and after > before + 0.1
+    real = GRPO.group_advantages
+    monkeypatch.setattr(GRPO, "group_advantages", lambda scores, g: (-real(scores, g)[0], real(scores, g)[1]))
+    before_flipped, after_flipped = run(tmp_path / "flipped")
+    assert before_flipped == before and after_flipped < before
