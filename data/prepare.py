@@ -29,7 +29,8 @@ Outputs under ``data_dir`` (JSON lines, UTF-8, one record per line):
 * ``ppo/prompts.jsonl`` and ``ppo/val_prompts.jsonl`` ``{"prompt"}``;
 * ``tasks/{train,val,test}.jsonl`` ``{"prompt","answer","family"}``: problems with exact answers (sums and
   differences in Chinese-numeral digits, strings to reverse), generated from ``TASK_SEED`` with no problem in two
-  splits (the demo's SFT does not learn them within its budget yet, so they are not in ``sft/``);
+  splits (the demo's SFT does not learn them within its budget yet, so they are not in ``sft/``; ``tasks/sft.jsonl``
+  holds the training problems as ``{"prompt","response"}`` pairs for an SFT that has the budget);
 * ``MANIFEST.json``: sources (version, licence, sha256) and per-file counts and sha256.
 
 Every split is decided by a hash of the text (never by RNG order), so the same sources give byte-identical files.
@@ -1025,6 +1026,8 @@ def build_all(data_dir: Path, cache_dir: Path, with_poetry: bool, log, rebuild_t
         "ppo/prompts.jsonl": reviews["ppo"],
         "ppo/val_prompts.jsonl": reviews["ppo_val"],
         **{f"tasks/{split}.jsonl": rows for split, rows in tasks.items()},
+        # the training problems as SFT pairs, to mix into 1-SFT.py's --train_files by hand
+        "tasks/sft.jsonl": [{"prompt": t["prompt"], "response": t["answer"]} for t in tasks["train"]],
     }
 
     # --- the RM test reviews must have no near-duplicate in any other file

@@ -411,13 +411,13 @@ class StageRun:
         if self.accelerator.num_processes > 1:
             values = self.accelerator.reduce(values, reduction="sum")  # NaN or inf anywhere makes the sum non-finite
         loss, tokens = values[0].item() / self.accelerator.num_processes, int(values[1].item())
+        if not math.isfinite(loss):
+            raise UserError(f"the training loss became {loss} at step {self.step + 1}; the last good checkpoint "
+                            f"(if any) is in {self.args.output_dir}; lower --learning_rate and start again")
         if self.bad_gradient is not None:
             raise UserError(f"the gradient norm became {self.bad_gradient} at step {self.step + 1} (the loss was "
                             f"{loss:.4g}); that step was not applied; the last good checkpoint (if any) is in "
                             f"{self.args.output_dir}; lower --learning_rate and start again")
-        if not math.isfinite(loss):
-            raise UserError(f"the training loss became {loss} at step {self.step + 1}; the last good checkpoint "
-                            f"(if any) is in {self.args.output_dir}; lower --learning_rate and start again")
         self.step += 1
         self.tokens_seen += tokens
         self._bar.update(1)
