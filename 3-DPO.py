@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from chinese_tokenizer import SEP_ID, chat_prompt_ids, encode, load_tokenizer
-from plumbing.alignment import HeldOut, add_held_out_arguments, load_policy_and_reward, read_val_prompts
+from plumbing.alignment import PROMPT_FILES, HeldOut, add_held_out_arguments, load_policy_and_reward, read_val_prompts
 from plumbing.batching import BatchSchedule, chat_example, collate_chat, length_grouped_batches, spread_subset
 from plumbing.checkpoint import check_output_dir
 from plumbing.cli import UserError, default_path, fill_defaults, positive_float, positive_int, run, stage_parser
@@ -73,7 +73,7 @@ def parse_args(argv=None):
                         "its response")
     add_held_out_arguments(p, "DPO")
     args = p.parse_args(argv)
-    return fill_defaults(args, DEFAULTS[args.preset])
+    return fill_defaults(args, {**DEFAULTS[args.preset], "val_prompts_file": PROMPT_FILES[False]["val_prompts_file"]})
 
 
 # --- the maths of DPO ------------------------------------------------------------------------------------------

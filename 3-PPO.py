@@ -39,7 +39,6 @@ from safetensors.torch import load_model, save_model
 from chinese_tokenizer import load_tokenizer
 from gpt_model import RewardModel, last_real_index
 from plumbing.alignment import (
-    KL_LIMIT,
     Online,
     add_held_out_arguments,
     check_rewards,
@@ -56,6 +55,7 @@ from plumbing.cli import (
     stage_parser,
     unit_interval,
 )
+from plumbing.judge import KL_LIMIT
 from plumbing.optimizers import make_optimizer
 from plumbing.rollouts import masked_mean, penalise_unfinished, rollout, token_logprobs
 from plumbing.training import StageRun, make_accelerator, mean_over_processes

@@ -661,6 +661,8 @@ def generate(model, idx, max_new_tokens, context_size, temperature=0.0, top_k=No
         raise ValueError(f"temperature must be >= 0 (0 means greedy), got {temperature}")
     if num_samples < 1:
         raise ValueError(f"num_samples must be >= 1, got {num_samples}")
+    if max_new_tokens <= 0:  # nothing to generate: each row, k times over
+        return idx.repeat_interleave(num_samples, 0)
     if repetition_penalty <= 0:
         raise ValueError(f"repetition_penalty must be > 0, got {repetition_penalty}")
     model = unwrap_compiled(model)  # a compiled wrapper would recompile for every new length

@@ -33,7 +33,8 @@ Outputs under ``data_dir`` (JSON lines, UTF-8, one record per line):
   holds the training problems as ``{"prompt","response"}`` pairs for an SFT that has the budget);
 * ``MANIFEST.json``: sources (version, licence, sha256) and per-file counts and sha256.
 
-Every split is decided by a hash of the text (never by RNG order), so the same sources give byte-identical files.
+Every split of the sources is decided by a hash of the text (never by RNG order), and the verifiable tasks are drawn
+from a ``random.Random`` seeded with ``TASK_SEED``, so the same sources give byte-identical files.
 All downloads and checks happen before anything is written, and every file is written to a temporary name and
 renamed into place, so a failure leaves the earlier outputs as they were. A second run whose outputs match the
 manifest does nothing.
@@ -787,7 +788,7 @@ REVERSE_CHARS = ("天地人日月山水火木金土风云雨雪花草树林石�
                  "开关来去出入生老病好坏新旧明暗冷热甜苦香书画笔纸门窗车船灯")
 
 
-def arithmetic_rows(pair: tuple[int, int], forms: list[tuple[int, str, int]], rng) -> list[dict]:
+def arithmetic_rows(forms: list[tuple[int, str, int]], rng) -> list[dict]:
     """The problems of an operand pair: each (a, op, b) of ``forms`` in one of the templates, its answer the sum or
     difference digit by digit in Chinese numerals (``verifiers.to_chinese_digits``)."""
     from plumbing.verifiers import to_chinese_digits
@@ -818,10 +819,10 @@ def arithmetic_tasks(seed: int) -> dict[str, list[dict]]:
         for a, b in pairs[start:start + count]:
             x, y = (a, b) if rng.random() < 0.5 else (b, a)
             form = (x, "加", y) if rng.random() < 0.5 else (max(a, b), "减", min(a, b))
-            out[split] += arithmetic_rows((a, b), [form], rng)
+            out[split] += arithmetic_rows([form], rng)
         start += count
     out["train"] = [row for a, b in pairs[start:]
-                    for row in arithmetic_rows((a, b), [(a, "加", b), (b, "加", a), (b, "减", a)], rng)]
+                    for row in arithmetic_rows([(a, "加", b), (b, "加", a), (b, "减", a)], rng)]
     return out
 
 

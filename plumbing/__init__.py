@@ -11,8 +11,10 @@ Data:                     records (reading and checking data files), documents (
                           examples, the data order)
 Training:                 devices (precision and device), optimizers (AdamW, Muon, the schedule),
                           training (StageRun and the loop's pieces)
-Alignment and judging:    reward (scoring with an RM, the pair-accuracy rule), alignment (sampling, log-probs, the
-                          held-out monitors), judge (the independent judge and the monitors), baselines (counting)
+Alignment and judging:    rollouts (sampling answers, their log-probs), reward (scoring with an RM, the pair-accuracy
+                          rule), alignment (the aligners' rewards, set-up and held-out monitors), judge (the
+                          independent judge and the monitors), baselines (counting)
+Verifiable tasks:         verifiers (the strict checkers), tasks (the verifier's reward, exact accuracy, pass@k)
 Inference and export:     inference (loading a model to answer with), hf_weights (Hugging Face GPT-2 in and out)
 Reporting:                report (the report card and the Markdown table helper)
 """

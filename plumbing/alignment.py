@@ -1,16 +1,16 @@
-"""What the alignment stages (3-PPO.py, 3-DPO.py, 3-GRPO.py) share about a policy's responses, written once.
+"""What the alignment stages (3-PPO.py, 3-DPO.py, 3-GRPO.py) share, written once: where their reward comes from and
+how their answers are measured. (Sampling and log-probabilities are in ``rollouts.py``; the verifiable tasks'
+reward and measurement in ``tasks.py``.)
 
-* log-probabilities: ``token_logprobs`` of given tokens, ``sequence_logprobs`` of a labelled response (DPO),
-  ``masked_mean``, ``entropy_from_logits``, ``kl_per_response``;
-* sampling: ``sample_responses`` (batched, left-padded prompts through the chat template and the KV-cached
-  ``generate``), ``response_mask_after``, ``rollout`` (the samples with everything an update needs about them),
-  ``penalise_unfinished`` (answers cut off without ``[SEP]``);
+* rewards: ``score_with`` (a reward model's score of each sampled answer) and ``check_rewards`` (a non-finite
+  reward stops the run before any update);
 * monitors: ``monitors_of`` and ``held_out_monitors`` (the RM score beside the independent judge, KL, entropy,
   length, ``[SEP]`` share and repetition, see ``judge.py``), their metrics-row names (``as_val_row``,
-  ``from_val_row``), ``describe`` for the console and ``write_samples`` for samples.md.
-
-* set-up: ``add_held_out_arguments`` (the flags of the held-out monitors, the same in all three stages),
-  ``read_prompts`` and ``load_policy_and_reward``.
+  ``from_val_row``), ``describe`` for the console and ``write_samples`` for samples.md; ``HeldOut``, the held-out
+  measurement before and after a stage, the same for all three;
+* set-up: ``add_held_out_arguments`` (the reward's and the held-out monitors' flags, the same in all three stages),
+  ``read_prompts``, ``load_policy_and_ref``, ``load_reward_model``, ``load_policy_and_reward`` and ``Online``
+  (an online aligner's policy, reference, prompts and reward, from an RM or a verifier), ``online_defaults``.
 
 The stage-specific maths (PPO's GAE and clipped losses, DPO's loss, GRPO's group advantages) stays in each stage.
 """
@@ -168,7 +168,7 @@ def describe(m: dict) -> str:
 
 
 def write_samples(path, examples):
-    """``samples.md``: the PPO policy's held-out answers (the first sample of each prompt) with their RM scores."""
+    """``samples.md``: an aligned policy's held-out answers (the first sample of each prompt) with their RM scores."""
     with open(path, "w", encoding="utf-8") as f:
         f.write(markdown_table(("prompt", "response", "RM score"),
                                [(shown_prompt(e["prompt"]), e["response"], e["score"]) for e in examples]))

@@ -76,7 +76,6 @@ def response_mask_after(responses, eos_id: int):
     return (ended_before == 0).long()
 
 
-@torch.no_grad()
 def prompt_text(prompt):
     """What the policy reads of a prompt: the prompt itself (a string or a conversation), or a task's ``"prompt"``
     (a verifiable task is a dict that also carries its answer, ``records.read_tasks``)."""

@@ -45,11 +45,20 @@ def score_with_verifier(name: str, tokenizer):
     verifier = VERIFIERS[name]
 
     def score(data, tasks):
-        texts = [decode(ids, tokenizer) for ids in response_token_lists(data)]
-        right = [bool(ended) and verifier(t["family"], text, t["answer"])
+        texts = [answer_text(ids, tokenizer) for ids in response_token_lists(data)]
+        right = [bool(ended) and text is not None and verifier(t["family"], text, t["answer"])
                  for t, text, ended in zip(tasks, texts, data["ended"].tolist())]
         return torch.tensor(right, dtype=torch.float32, device=data["input_ids"].device)
     return score
+
+
+def answer_text(ids: list[int], tokenizer) -> str | None:
+    """The text of an answer's token ids (up to, not including, its ``[SEP]``), or None when a special token stands
+    in it: ``decode`` would drop a stray ``[CLS]``, ``[ANS]``, ``[PAD]`` or ``[MASK]`` and let "六[ANS]三二" pass for
+    "六三二", which is not the answer."""
+    if any(i in tokenizer.all_special_ids for i in ids):
+        return None
+    return decode(ids, tokenizer)
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -79,8 +88,10 @@ def measure_tasks(policy, ref, tasks, tokenizer, samples: int, max_new_tokens: i
         ``eos_share``, ``empty_share``, ``problems``, ``samples``. examples: the first problems' greedy answers.
     A measurement of the same weights, problems and settings made already in this process is returned again.
     """
+    kind = torch.device(device).type
+    autocast = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
     key = (weights_digest(policy, ref), repr(tasks), samples, max_new_tokens, context_length, str(device), seed,
-           verifier)
+           verifier, str(autocast))
     if key not in _MEASURED:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
@@ -90,16 +101,21 @@ def measure_tasks(policy, ref, tasks, tokenizer, samples: int, max_new_tokens: i
 
 
 def _answers(sequences, prompt_len: int, tokenizer):
-    """(texts, ended, lengths) of generated rows: each response up to its first [SEP]."""
+    """(texts, ended, lengths) of generated rows: each response up to its first [SEP] (None where a special token
+    stands in it, ``answer_text``)."""
     responses = sequences[:, prompt_len:]
     ended = (responses == EOS_ID).any(dim=1).tolist()
     mask = response_mask_after(responses, EOS_ID).bool() & (responses != EOS_ID)
     ids = [row[m].tolist() for row, m in zip(responses, mask)]
-    return [decode(r, tokenizer) for r in ids], ended, [len(r) for r in ids]
+    return [answer_text(r, tokenizer) for r in ids], ended, [len(r) for r in ids]
 
 
 def _measure(policy, ref, tasks, tokenizer, samples, max_new_tokens, context_length, device, verifier, same):
     lax_check = contains if verifier == "exact" else VERIFIERS[verifier]
+
+    def right(task, text, ended):  # the strict checker: a whole answer, ended with [SEP], no special token in it
+        return bool(ended) and text is not None and check(task["family"], text, task["answer"])
+
     greedy, sampled, lax, kl, lengths, ended_all, empty, examples = [], [], [], [], [], [], [], []
     for start in range(0, len(tasks), TASK_BATCH):
         batch = tasks[start:start + TASK_BATCH]
@@ -108,20 +124,20 @@ def _measure(policy, ref, tasks, tokenizer, samples, max_new_tokens, context_len
         P = ids.shape[1]
         out = generate(policy, ids, max_new_tokens, context_length, eos_id=EOS_ID, attention_mask=mask)
         texts, ended, _ = _answers(out, P, tokenizer)
-        greedy += [e and check(t["family"], x, t["answer"]) for t, x, e in zip(batch, texts, ended)]
-        examples += [{"prompt": t["prompt"], "answer": t["answer"], "response": x} for t, x in zip(batch, texts)]
+        greedy += [right(t, x, e) for t, x, e in zip(batch, texts, ended)]
+        examples += [{"prompt": t["prompt"], "answer": t["answer"], "response": "(a special token)" if x is None else x}
+                     for t, x in zip(batch, texts)]
         out = generate(policy, ids, max_new_tokens, context_length, temperature=1.0, eos_id=EOS_ID,
                        attention_mask=mask, num_samples=samples)  # (b * samples, P + R)
         texts, ended, length = _answers(out, P, tokenizer)
         per_row = [t for t in batch for _ in range(samples)]  # the task of each sampled row
         rows = list(zip(per_row, texts, ended))
-        sampled += [[e and check(t["family"], x, t["answer"]) for t, x, e in rows[i:i + samples]]
-                    for i in range(0, len(rows), samples)]
-        lax += [[lax_check(t["family"], x, t["answer"]) for t, x, e in rows[i:i + samples]]
+        sampled += [[right(t, x, e) for t, x, e in rows[i:i + samples]] for i in range(0, len(rows), samples)]
+        lax += [[x is not None and lax_check(t["family"], x, t["answer"]) for t, x, e in rows[i:i + samples]]
                 for i in range(0, len(rows), samples)]
         lengths += length
         ended_all += ended
-        empty += [not x for x in texts]
+        empty += [x == "" for x in texts]
         if same:
             kl += [0.0] * len(batch)
         else:  # the KL of the first sample of each problem: sum over its tokens of log pi - log pi_ref

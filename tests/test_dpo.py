@@ -162,3 +162,15 @@ def test_step_0_is_exactly_log_2_whatever_the_dropout(tmp_path, pairs, tiny_poli
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text(encoding="utf-8").splitlines()]
     assert rows[1]["step"] == 1 and rows[1]["train_loss"] == pytest.approx(math.log(2), abs=1e-6)
     assert rows[1]["train_accuracy"] == 0.5  # every implicit reward 0: every pair a tie
+
+
+def test_the_default_held_out_prompts_are_the_preference_paths():
+    """Run with no flags (as the pipeline runs it), DPO measures on data/ppo/val_prompts.jsonl; PPO and GRPO too, and
+    with --verifier on the tasks' test split."""
+    assert DPO.parse_args([]).val_prompts_file.endswith("data/ppo/val_prompts.jsonl")
+    for script in ("3-PPO.py", "3-GRPO.py"):
+        stage = load_script(script)
+        assert stage.parse_args([]).val_prompts_file.endswith("data/ppo/val_prompts.jsonl")
+        tasks = stage.parse_args(["--verifier", "exact"])
+        assert tasks.val_prompts_file.endswith("data/tasks/test.jsonl")
+        assert tasks.prompts_file.endswith("data/tasks/train.jsonl") and tasks.output_dir.endswith("-tasks")

@@ -1122,5 +1122,6 @@ def test_num_samples_reads_each_prompt_once_and_continues_it_k_times():
         torch.manual_seed(1)
         rows = gm.generate(model, repeated_idx, 6, 64, temperature=temperature, attention_mask=repeated_mask, eos_id=49)
         assert once.shape == (6, idx.shape[1] + 6) and torch.equal(once, rows)
+    assert gm.generate(model, idx, 0, 64, num_samples=3).shape == (6, idx.shape[1])  # nothing new, k copies
     with pytest.raises(ValueError, match="num_samples"):
         gm.generate(model, idx, 2, 64, num_samples=0)

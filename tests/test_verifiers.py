@@ -181,3 +181,18 @@ def test_grpo_with_the_verifier_raises_held_out_accuracy_and_the_flipped_sign_lo
     monkeypatch.setattr(GRPO, "group_advantages", lambda scores, g: (-real(scores, g)[0], real(scores, g)[1]))
     before_flipped, after_flipped = run(tmp_path / "flipped")
     assert before_flipped == before and after_flipped < before
+
+
+def test_a_special_token_inside_an_answer_makes_it_wrong(tokenizer):
+    """decode drops [ANS], [CLS], [PAD] and [MASK]: "六[ANS]三二" would read as "六三二"; the verifier refuses it."""
+    from chinese_tokenizer import ANSWER_ID, EOS_ID, encode
+    from plumbing.rollouts import response_mask_after
+    from plumbing.tasks import score_with_verifier
+
+    right = encode("六三二", tokenizer)
+    stray = right[:1] + [ANSWER_ID] + right[1:]
+    responses = torch.tensor([right + [EOS_ID, EOS_ID], stray + [EOS_ID]])
+    data = {"input_ids": torch.cat([torch.full((2, 2), 101), responses], dim=1), "prompt_len": 2,
+            "response_mask": response_mask_after(responses, EOS_ID).float(), "ended": torch.tensor([True, True])}
+    tasks = [{"prompt": "计算：三〇〇加三三二", "answer": "六三二", "family": "arithmetic"}] * 2
+    assert score_with_verifier("exact", tokenizer)(data, tasks).tolist() == [1.0, 0.0]
