@@ -170,6 +170,7 @@ def test_second_run_is_fast_and_changes_nothing(built):
     assert {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in files} == before
 
 
+@pytest.mark.slow
 def test_build_is_deterministic_in_another_dir(built, tmp_path):
     proc = run_prepare("--quiet", "--data_dir", str(tmp_path), "--cache_dir", str(built / "cache"))
     assert proc.returncode == 0, proc.stderr

@@ -245,6 +245,7 @@ def test_flag_fires_on_a_deliberately_hacked_run(tmp_path, ppo_parents):
     assert hacked["entropy"] < sft["entropy"]
 
 
+@pytest.mark.slow
 def test_missing_reward_model_is_a_one_line_error(tmp_path, ppo_parents):
     policy, _, prompts = ppo_parents
     result = run_script("3-PPO.py", "--preset", "tiny", "--policy", policy, "--reward", tmp_path / "no-rm",

@@ -267,6 +267,7 @@ def test_a_late_bad_byte_is_named_by_its_offset_in_the_file(tmp_path):
         list(load_text_documents([str(path)], "--train_files"))
 
 
+@pytest.mark.slow
 def test_a_killed_runs_half_written_token_file_is_removed_and_sigterm_cleans_up(tokenizer, tmp_path):
     """A .tmp left by a process that no longer exists goes before the next tokenizing (one of a live process
     stays); SIGTERM while tokenizing ends 0-PRETRAIN with one line and exit 143, leaving no partial file."""
@@ -415,6 +416,7 @@ def test_two_processes_follow_the_one_process_loss_curve(tmp_path, tiny_corpus):
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary directories left
 
 
+@pytest.mark.slow
 def test_accelerate_launch_without_cpu_flag_gets_a_thread_note(tmp_path, tiny_corpus):
     """Plain `accelerate launch` on a machine with no GPU runs the stage on one CPU thread (it sets
     OMP_NUM_THREADS=1); the stage says so and how to use every core. With --cpu it gets them all and says nothing."""

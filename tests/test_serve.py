@@ -412,6 +412,7 @@ def test_a_plain_language_model_only_continues(tiny_pretrain_checkpoint, tokeniz
         assert http.get("/").text.startswith("<!doctype html>")
 
 
+@pytest.mark.slow
 def test_bad_command_lines_fail_with_one_line(tmp_path, chat_checkpoint):
     from conftest import run_script
 
