@@ -249,7 +249,7 @@ class MultiHeadAttention(nn.Module):
 
     Configured from a ``GPTConfig`` like every other block: ``emb_dim`` in and out, ``n_heads`` heads of
     ``emb_dim // n_heads``, ``qkv_bias``, ``drop_rate`` on the attention weights, ``attention`` ("sdpa" for
-    PyTorch's fused kernel, "reference" for the written-out ``attention_reference``) and rotary positions when
+    PyTorch's fused kernel, "math" for the written-out ``attention_reference``) and rotary positions when
     ``position_embedding == "rope"``.
     """
 
