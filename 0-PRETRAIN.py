@@ -55,7 +55,8 @@ def parse_args(argv=None):
     p.add_argument("--text_field", default="text",
                    help="the field (.jsonl/.json), column (.parquet, datasets) that holds each document's text")
     p.add_argument("--init", help="start from this stage checkpoint's weights instead of a new model")
-    p.add_argument("--init_from_hf", help="start from a local Hugging Face GPT-2 directory (see load_weight.py)")
+    p.add_argument("--init_from_hf", help="start from a local Hugging Face directory: GPT-2 (e.g. uer's), or an "
+                   "export of load_weight.py (see there)")
     p.add_argument("--context_length", type=int,
                    help="block length (default: the preset's, else the model's context_length)")
     add_optimizer_argument(p)
@@ -69,9 +70,9 @@ def parse_args(argv=None):
 def build_model(args, tokenizer):
     """A new model of the preset, or the weights of --init / --init_from_hf; returns (model, parent metadata)."""
     if args.init_from_hf:
-        from plumbing.hf_weights import load_hf_gpt2
+        from plumbing.hf_weights import load_hf_model
 
-        model, parent = load_hf_gpt2(args.init_from_hf), {"parent": os.path.abspath(args.init_from_hf)}
+        model, parent = load_hf_model(args.init_from_hf, want="gpt"), {"parent": os.path.abspath(args.init_from_hf)}
     elif args.init:
         return load_backbone(args.init, "--init", tokenizer, "0-PRETRAIN.py")
     else:

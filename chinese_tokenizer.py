@@ -39,6 +39,16 @@ CHAR_SLOTS = {"[unused1]": "\n", "[unused2]": " ", "[unused3]": "\t", "[unused4]
               "[unused10]": "\u2014", "[unused11]": "\u2026"}  # — …
 ANSWER_SLOT, ANSWER_TOKEN = "[unused5]", "[ANS]"
 ANSWER_ID = 5
+# The layout of chat_messages_ids / chat_conversation_ids as a transformers chat template (Jinja), for exported chat
+# models: tokenizer.apply_chat_template(messages) gives the same ids (without their truncation).
+CHAT_TEMPLATE = (
+    "{{- '[CLS]' -}}"
+    "{%- set system = messages | selectattr('role', 'equalto', 'system') | map(attribute='content') | join('\\n') -%}"
+    "{%- if system -%}{{ system + '[SEP]' }}{%- endif -%}"
+    "{%- for message in messages if message['role'] != 'system' -%}"
+    "{{ message['content'] + ('[ANS]' if message['role'] == 'user' else '[SEP]') }}"
+    "{%- endfor -%}"
+)
 
 
 class TokenizerError(ValueError):

@@ -8,11 +8,13 @@
 
 How a prompt becomes model input depends on the checkpoint:
 
-* a pretrain checkpoint (or ``--from_hf`` weights, or any checkpoint with ``--raw``) continues the prompt's text as
+* a pretrain checkpoint (or ``--from_hf`` weights without a chat template, or any checkpoint with ``--raw``)
+  continues the prompt's text as
   it is: the ids of the prompt, after the token the model's training documents started with, if any
   (``cfg.bos_id``: ``[CLS]`` for uer's Chinese GPT-2 and what was trained from it; nothing for our own pretraining,
   which joins documents with ``[SEP]`` alone);
-* an SFT or PPO checkpoint answers through the chat template it was trained on, ``[CLS] prompt [ANS]``.
+* an SFT or PPO checkpoint answers through the chat template it was trained on, ``[CLS] prompt [ANS]``; so does
+  an export of one (``load_weight.py --to_hf`` saves the template with its tokenizer) read with ``--from_hf``.
 
 Either way generation stops at ``[SEP]`` (the end of a document in pretraining, the end of an answer after SFT) or
 after ``--max_new_tokens``. A prompt longer than the model's context keeps its last tokens (a note goes to

@@ -1,14 +1,16 @@
-"""Public GPT-2 weights in and out, on the command line: a Hugging Face GPT-2 directory -> a stage checkpoint, and a
-stage checkpoint -> a directory that ``transformers`` loads.
+"""Weights in and out on the command line: a Hugging Face directory -> a stage checkpoint, and a stage checkpoint
+(language model or reward model) -> a directory that ``transformers`` loads with its ``Auto*`` classes.
 
-The mapping itself (names, transposes, the checks that refuse what our model cannot compute) is in
-``plumbing/hf_weights.py``, which ``0-PRETRAIN.py --init_from_hf`` and ``generate.py --from_hf`` use too.
+Each configuration leaves as the ``transformers`` architecture that computes the same function: LayerNorm +
+learned positions as GPT-2, LayerNorm + rotary positions (the demo) as GPT-NeoX, RMSNorm + rotary as Arcee; a
+reward model as that architecture's ``*ForSequenceClassification``. The mapping itself (names, transposes, the
+rotary row order, the checks that refuse what has no equivalent) is in ``plumbing/hf_weights.py``, which
+``0-PRETRAIN.py --init_from_hf`` and ``generate.py --from_hf`` use too.
 
 Command line (see ``--help``)::
 
-    python load_weight.py --from_hf DIR --to_checkpoint checkpoints/hf-init     # HF GPT-2 -> stage checkpoint
-    python load_weight.py --checkpoint checkpoints/sft --to_hf DIR              # stage checkpoint -> HF GPT-2 (not
-                                                                                # the demo's: it uses rotary positions)
+    python load_weight.py --from_hf DIR --to_checkpoint checkpoints/hf-init     # HF directory -> stage checkpoint
+    python load_weight.py --checkpoint checkpoints/ppo --to_hf DIR              # stage checkpoint -> HF directory
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ from __future__ import annotations
 import argparse
 import os
 
+from gpt_model import RewardModel
 from plumbing.checkpoint import (
+    CHAT_STAGES,
     check_vocab,
     command_line,
     file_sha256,
@@ -24,14 +28,18 @@ from plumbing.checkpoint import (
     save_checkpoint,
 )
 from plumbing.cli import ArgumentParser, UserError, default_path, run
-from plumbing.hf_weights import hf_weight_files, import_tokenizer, load_hf_gpt2, save_hf_gpt2
+from plumbing.hf_weights import hf_weight_files, import_tokenizer, load_hf_model, save_hf_model
 
 EXAMPLES = """examples:
-  # import a Hugging Face GPT-2 directory as a stage checkpoint (tokenizer: DIR's vocab.txt, else data/tokenizer)
-  python load_weight.py --from_hf DIR --to_checkpoint checkpoints/hf-init
+  # export the aligned model for transformers (GPT-NeoX for the demo's rotary positions; chat template included)
+  python load_weight.py --checkpoint checkpoints/ppo --to_hf hf/ppo
+  #   then: AutoTokenizer.from_pretrained("hf/ppo"), AutoModelForCausalLM.from_pretrained("hf/ppo")
 
-  # export a stage checkpoint for transformers: GPT2LMHeadModel.from_pretrained(DIR), AutoTokenizer too
-  python load_weight.py --checkpoint checkpoints/sft --to_hf DIR   (LayerNorm + learned positions only: not the demo)
+  # export the reward model: AutoModelForSequenceClassification (one score per text, read at its last token)
+  python load_weight.py --checkpoint checkpoints/rm --to_hf hf/rm
+
+  # import a Hugging Face directory (GPT-2, GPT-NeoX or Arcee, LM or reward model) as a stage checkpoint
+  python load_weight.py --from_hf DIR --to_checkpoint checkpoints/hf-init
 
   # the real uer/gpt2-chinese-cluecorpussmall (12 layers x 768, 1024 positions, our vocabulary):
   #   on a machine with network
@@ -45,11 +53,13 @@ EXAMPLES = """examples:
 
 def parse_args(argv=None):
     p = ArgumentParser(
-        description="Convert GPT-2 weights between Hugging Face format and this project's stage checkpoints.",
+        description="Convert weights between Hugging Face directories (GPT-2, GPT-NeoX, Arcee; language or "
+                    "reward models) and this project's stage checkpoints.",
         epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     source = p.add_mutually_exclusive_group(required=True)
-    source.add_argument("--from_hf", metavar="DIR", help="local Hugging Face GPT-2 directory to import")
-    source.add_argument("--checkpoint", metavar="DIR", help="stage checkpoint to export (needs --to_hf)")
+    source.add_argument("--from_hf", metavar="DIR", help="local Hugging Face directory to import")
+    source.add_argument("--checkpoint", metavar="DIR",
+                        help="stage checkpoint to export, a language or a reward model (needs --to_hf)")
     p.add_argument("--to_checkpoint", metavar="DIR", default=default_path("checkpoints", "hf-init"),
                    help="where --from_hf writes the stage checkpoint (default: %(default)s)")
     p.add_argument("--to_hf", metavar="DIR", help="where --checkpoint writes the Hugging Face directory")
@@ -71,15 +81,18 @@ def main(argv=None):
         if os.path.exists(args.to_hf) and not args.overwrite:
             raise UserError(f"--to_hf {args.to_hf} already exists; pass --overwrite to replace it, or choose another "
                             f"directory")
-        model, tokenizer, _ = load_checkpoint(args.checkpoint, "gpt", flag="--checkpoint")
-        save_hf_gpt2(model, args.to_hf, tokenizer, overwrite=args.overwrite)
-        print(f"wrote {args.to_hf} (GPT2LMHeadModel.from_pretrained and AutoTokenizer.from_pretrained load it)")
+        model, tokenizer, config = load_checkpoint(args.checkpoint, flag="--checkpoint")
+        chat = config.get("stage") in CHAT_STAGES
+        written = save_hf_model(model, args.to_hf, tokenizer, overwrite=args.overwrite, chat=chat)
+        auto = "AutoModelForSequenceClassification" if "Classification" in written else "AutoModelForCausalLM"
+        print(f"wrote {args.to_hf} as {written}: {auto}.from_pretrained and AutoTokenizer.from_pretrained load it"
+              f"{' (the tokenizer has the chat template)' if chat else ''}")
         return 0
 
     if os.path.exists(args.to_checkpoint) and not args.overwrite:
         raise UserError(f"--to_checkpoint {args.to_checkpoint} already exists; pass --overwrite to replace it or "
                         f"choose another directory")
-    model = load_hf_gpt2(args.from_hf)
+    model = load_hf_model(args.from_hf)
     tokenizer = import_tokenizer(args.from_hf, args.tokenizer)
     check_vocab(tokenizer, model.cfg.vocab_size, f"--from_hf {args.from_hf}", "stage checkpoints need the 21128-id "
                 "Chinese vocabulary (e.g. uer/gpt2-chinese-cluecorpussmall), not OpenAI's BPE")
@@ -89,8 +102,9 @@ def main(argv=None):
             "step": 0, "tokens_seen": 0, "metrics": {}, "command": command_line()}
     save_checkpoint(args.to_checkpoint, model, tokenizer, meta)
     n_params = sum(p.numel() for p in model.parameters())
+    kind = "a reward model, e.g. for --reward" if isinstance(model, RewardModel) else "continue with --init"
     print(f"wrote {args.to_checkpoint} ({n_params:,} parameters, {model.cfg.n_layers} layers x {model.cfg.emb_dim}, "
-          f"context {model.cfg.context_length}); continue with --init {args.to_checkpoint}")
+          f"context {model.cfg.context_length}); {kind} {args.to_checkpoint}")
     return 0
 
 

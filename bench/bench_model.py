@@ -46,18 +46,16 @@ PROMPT_LEN = 16  # tokens of the random prompt that every generation starts from
 
 def build_models(cfg, device, seed=0, which=("ours", "hf")):
     """Our model initialised from ``seed`` and, when asked for, its transformers twin with the same weights
-    (through ``load_weight``: the project's own GPTModel -> GPT2LMHeadModel mapping)."""
-    from transformers import GPT2Config, GPT2LMHeadModel
+    (through ``plumbing.hf_weights``: GPT-2 for learned positions, GPT-NeoX for the demo's rotary ones)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    if cfg.norm != "layernorm" or cfg.position_embedding != "learned":
-        raise SystemExit("bench: GPT-2 in transformers has LayerNorm and learned positions; "
-                         f"this preset has norm={cfg.norm!r}, position_embedding={cfg.position_embedding!r}")
     torch.manual_seed(seed)
     ours = GPTModel(cfg)
     models = {}
     if "hf" in which:
-        hf = GPT2LMHeadModel(GPT2Config(**hf_config_from_gpt(cfg)))  # default attention implementation (sdpa)
-        missing, unexpected = hf.load_state_dict(gpt_to_hf_state_dict(ours), strict=False)
+        config = hf_config_from_gpt(cfg)
+        hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(**config))  # default attention (sdpa)
+        missing, unexpected = hf.load_state_dict(gpt_to_hf_state_dict(ours)[0], strict=False)
         if unexpected or set(missing) - {"lm_head.weight"}:
             raise SystemExit(f"bench: weight mapping mismatch: missing {missing}, unexpected {unexpected}")
         hf.generation_config = generation_config(1)

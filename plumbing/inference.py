@@ -15,7 +15,7 @@ import sys
 
 import torch
 
-from chinese_tokenizer import chat_messages_ids, encode
+from chinese_tokenizer import CHAT_TEMPLATE, chat_messages_ids, encode
 from plumbing.checkpoint import CHAT_STAGES, check_vocab, load_checkpoint, read_config
 from plumbing.cli import UserError, default_path
 
@@ -29,8 +29,9 @@ def add_model_arguments(p) -> None:
     source = p.add_mutually_exclusive_group()
     source.add_argument("--checkpoint", help="stage checkpoint directory (default: the first that exists of "
                                              "checkpoints/ppo, checkpoints/sft, checkpoints/pretrain)")
-    source.add_argument("--from_hf", help="a local Hugging Face GPT-2 directory, loaded through load_weight.py "
-                                          "(plain continuation)")
+    source.add_argument("--from_hf", help="a local Hugging Face directory (GPT-2, or an export of load_weight.py: "
+                                          "GPT-2, GPT-NeoX, Arcee); chat template if its tokenizer has ours, "
+                                          "else plain continuation")
     p.add_argument("--tokenizer", help="tokenizer directory for --from_hf (default: the directory's own vocab.txt "
                                        "if it is the BERT-Chinese one, else data/tokenizer); checkpoints carry theirs")
 
@@ -50,16 +51,18 @@ def find_latest_checkpoint() -> str:
 def load_policy(args):
     """The model to generate with: ``(model, tokenizer, chat)``, where ``chat`` says whether to use the template."""
     if args.from_hf:
-        from plumbing.hf_weights import import_tokenizer, load_hf_gpt2
+        from plumbing.hf_weights import import_tokenizer, load_hf_model
 
         if not os.path.isdir(args.from_hf):
-            raise UserError(f"--from_hf {args.from_hf} is not a directory; give a local Hugging Face GPT-2 folder")
-        model = load_hf_gpt2(args.from_hf)
+            raise UserError(f"--from_hf {args.from_hf} is not a directory; give a local Hugging Face folder (GPT-2, "
+                            f"or an export of load_weight.py)")
+        model = load_hf_model(args.from_hf, want="gpt")
         tokenizer = import_tokenizer(args.from_hf, args.tokenizer)
         check_vocab(tokenizer, model.cfg.vocab_size, f"--from_hf {args.from_hf}", "use Chinese GPT-2 weights with "
                     "the BERT-Chinese vocabulary (e.g. uer/gpt2-chinese-cluecorpussmall)")
-        log(f"loaded Hugging Face weights from {args.from_hf}: plain continuation")
-        return model, tokenizer, False
+        chat = tokenizer.chat_template == CHAT_TEMPLATE and not args.raw  # an export of a chat stage carries it
+        log(f"loaded Hugging Face weights from {args.from_hf}: {'chat template' if chat else 'plain continuation'}")
+        return model, tokenizer, chat
 
     path = args.checkpoint
     if path is None:

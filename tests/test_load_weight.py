@@ -1,4 +1,5 @@
-"""Tests of load_weight.py against ``transformers.GPT2LMHeadModel`` holding the same weights.
+"""Tests of load_weight.py against ``transformers.GPT2LMHeadModel`` holding the same weights (the other
+architectures, GPT-NeoX and Arcee, and the reward model: ``test_hf_export.py``).
 
 Every expected value comes from ``transformers``: small random GPT-2s are built with it, saved in the layouts found
 in the wild (uer's old ``pytorch_model.bin`` with ``transformer.`` names, mask buffers and a copy of the tied head;
@@ -141,7 +142,7 @@ def sample_ids(vocab_size, batch, length, seed=1):
 
 def test_load_matches_transformers_logits_and_greedy(hf_variant):
     hf, directory = hf_variant
-    ours = load_weight.load_hf_gpt2(directory)
+    ours = load_weight.load_hf_model(directory)
     ids = sample_ids(hf.config.vocab_size, batch=2, length=CTX)  # every position of the table
     with torch.no_grad():
         torch.testing.assert_close(ours(ids)["logits"], hf(ids).logits, atol=1e-4, rtol=1e-4)
@@ -156,7 +157,7 @@ def test_load_matches_transformers_logits_and_greedy(hf_variant):
 def test_config_fields_are_read(tmp_path):
     hf = random_hf_gpt2(500, seed=3, tie=False, layer_norm_epsilon=1e-3, resid_pdrop=0.05)
     save_with_transformers(hf, tmp_path)
-    cfg = load_weight.load_hf_gpt2(str(tmp_path)).cfg
+    cfg = load_weight.load_hf_model(str(tmp_path)).cfg
     assert (cfg.vocab_size, cfg.context_length, cfg.emb_dim, cfg.n_heads, cfg.n_layers) == (500, CTX, EMB, HEADS,
                                                                                            LAYERS)
     assert (cfg.layer_norm_eps, cfg.drop_rate, cfg.qkv_bias, cfg.tie_embeddings) == (1e-3, 0.05, True, False)
@@ -165,7 +166,7 @@ def test_config_fields_are_read(tmp_path):
 
 def test_uer_style_bin_keeps_tied_head_and_ignores_buffers(uer_like):
     hf, directory = uer_like
-    ours = load_weight.load_hf_gpt2(directory)
+    ours = load_weight.load_hf_model(directory)
     assert ours.cfg == GPTConfig(vocab_size=21128, context_length=CTX, emb_dim=EMB, n_heads=HEADS, n_layers=LAYERS,
                                  drop_rate=0.0, qkv_bias=True, tie_embeddings=True, bos_id=101)  # uer: [CLS] text
     assert ours.out_head.weight is ours.tok_emb.weight
@@ -178,7 +179,7 @@ def test_half_precision_weights_are_widened(tmp_path):
     save_file({k: v.half() for k, v in hf_tensors(hf).items()}, str(tmp_path / "model.safetensors"),
               metadata={"format": "pt"})
     write_config(tmp_path, hf)
-    ours = load_weight.load_hf_gpt2(str(tmp_path))
+    ours = load_weight.load_hf_model(str(tmp_path))
     assert all(p.dtype == torch.float32 for p in ours.parameters())
     torch.testing.assert_close(ours.tok_emb.weight, hf.transformer.wte.weight.half().float(), atol=0, rtol=0)
 
@@ -195,7 +196,7 @@ def test_sharded_safetensors_load(tmp_path):
     write_config(tmp_path, hf)
     ids = sample_ids(300, 1, 10)
     with torch.no_grad():
-        torch.testing.assert_close(load_weight.load_hf_gpt2(str(tmp_path))(ids)["logits"], hf(ids).logits,
+        torch.testing.assert_close(load_weight.load_hf_model(str(tmp_path))(ids)["logits"], hf(ids).logits,
                                    atol=1e-4, rtol=1e-4)
 
 
@@ -216,7 +217,7 @@ def test_malicious_pickle_is_refused_without_running_it(tmp_path):
     torch.save(state, str(tmp_path / "pytorch_model.bin"))
     write_config(tmp_path, hf)
     with pytest.raises(UserError, match="refusing to load .*pytorch_model.bin"):
-        load_weight.load_hf_gpt2(str(tmp_path))
+        load_weight.load_hf_model(str(tmp_path))
     assert not marker.exists()
     # the payload is live: an ordinary unpickling runs it (so the assertion above can fail)
     torch.load(str(tmp_path / "pytorch_model.bin"), weights_only=False)
@@ -231,7 +232,7 @@ def test_missing_and_unknown_weights_are_listed(tmp_path):
     save_file(state, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
     write_config(tmp_path, hf)
     with pytest.raises(UserError) as e:
-        load_weight.load_hf_gpt2(str(tmp_path))
+        load_weight.load_hf_model(str(tmp_path))
     message = str(e.value)
     assert "missing 1 weights (h.1.mlp.c_fc.weight)" in message
     assert "1 unknown weights (h.0.attn.rotary.weight)" in message
@@ -243,7 +244,7 @@ def test_config_with_more_layers_than_the_weights(tmp_path):
     save_with_transformers(hf, tmp_path)
     write_config(tmp_path, hf, n_layer=3)
     with pytest.raises(UserError, match=r"missing 12 weights \(h\.2\.attn\.c_attn\.bias, h\.2\.attn\.c_attn\.weight"):
-        load_weight.load_hf_gpt2(str(tmp_path))
+        load_weight.load_hf_model(str(tmp_path))
 
 
 def test_shape_disagreeing_with_config(tmp_path):
@@ -251,7 +252,7 @@ def test_shape_disagreeing_with_config(tmp_path):
     save_with_transformers(hf, tmp_path)
     write_config(tmp_path, hf, n_positions=64)
     with pytest.raises(UserError, match=r"pos_emb.weight has shape \(32, 32\) .* implies \(64, 32\)"):
-        load_weight.load_hf_gpt2(str(tmp_path))
+        load_weight.load_hf_model(str(tmp_path))
 
 
 @pytest.mark.parametrize("override, words", [
@@ -266,25 +267,25 @@ def test_configs_our_model_cannot_reproduce_are_refused(tmp_path, override, word
     save_with_transformers(hf, tmp_path)
     write_config(tmp_path, hf, **override)
     with pytest.raises(UserError, match="config.json") as e:
-        load_weight.load_hf_gpt2(str(tmp_path))
+        load_weight.load_hf_model(str(tmp_path))
     assert words in str(e.value)
 
 
 def test_bad_directories(tmp_path):
     with pytest.raises(UserError, match="not a local directory.*hf download"):
-        load_weight.load_hf_gpt2(str(tmp_path / "uer" / "gpt2-chinese-cluecorpussmall"))
+        load_weight.load_hf_model(str(tmp_path / "uer" / "gpt2-chinese-cluecorpussmall"))
     with pytest.raises(UserError, match="no config.json"):
-        load_weight.load_hf_gpt2(str(tmp_path))
+        load_weight.load_hf_model(str(tmp_path))
     hf = random_hf_gpt2(300, seed=11)
     write_config(tmp_path, hf)
     with pytest.raises(UserError, match="no model.safetensors or pytorch_model.bin"):
-        load_weight.load_hf_gpt2(str(tmp_path))
+        load_weight.load_hf_model(str(tmp_path))
     (tmp_path / "model.safetensors").write_bytes(b"not a safetensors file")
     with pytest.raises(UserError, match="not a readable safetensors file"):
-        load_weight.load_hf_gpt2(str(tmp_path))
+        load_weight.load_hf_model(str(tmp_path))
     (tmp_path / "config.json").write_text(json.dumps({"model": {}, "stage": "pretrain"}))
     with pytest.raises(UserError, match="checkpoint of this project.*--init"):
-        load_weight.load_hf_gpt2(str(tmp_path))
+        load_weight.load_hf_model(str(tmp_path))
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -303,7 +304,7 @@ def random_gpt(cfg, seed=0):
 def test_export_loads_in_transformers_with_same_logits(tmp_path, tokenizer):
     ours = random_gpt(GPTConfig(context_length=CTX, emb_dim=EMB, n_heads=HEADS, n_layers=LAYERS, drop_rate=0.0))
     out = tmp_path / "hf"
-    load_weight.save_hf_gpt2(ours, str(out), tokenizer)
+    load_weight.save_hf_model(ours, str(out), tokenizer)
     hf = GPT2LMHeadModel.from_pretrained(str(out)).eval()
     ids = sample_ids(21128, 2, CTX)
     with torch.no_grad():
@@ -327,8 +328,8 @@ def test_export_then_import_is_exact_untied_with_qkv_bias(tmp_path):
     cfg = GPTConfig(vocab_size=400, context_length=CTX, emb_dim=EMB, n_heads=HEADS, n_layers=LAYERS, drop_rate=0.1,
                     qkv_bias=True, tie_embeddings=False, layer_norm_eps=1e-6)
     ours = random_gpt(cfg, seed=1)
-    load_weight.save_hf_gpt2(ours, str(tmp_path / "hf"))
-    back = load_weight.load_hf_gpt2(str(tmp_path / "hf"))
+    load_weight.save_hf_model(ours, str(tmp_path / "hf"))
+    back = load_weight.load_hf_model(str(tmp_path / "hf"))
     assert back.cfg == cfg
     for (name, a), (_, b) in zip(ours.state_dict().items(), back.state_dict().items()):
         assert torch.equal(a, b), name
@@ -338,7 +339,7 @@ def test_export_then_import_is_exact_untied_with_qkv_bias(tmp_path):
 def test_export_without_qkv_bias_writes_zero_biases(tmp_path):
     ours = random_gpt(GPTConfig(vocab_size=300, context_length=CTX, emb_dim=EMB, n_heads=HEADS, n_layers=1,
                                 drop_rate=0.0))
-    load_weight.save_hf_gpt2(ours, str(tmp_path / "hf"))
+    load_weight.save_hf_model(ours, str(tmp_path / "hf"))
     hf = GPT2LMHeadModel.from_pretrained(str(tmp_path / "hf")).eval()
     assert torch.count_nonzero(hf.transformer.h[0].attn.c_attn.bias) == 0
     ids = sample_ids(300, 1, CTX)
@@ -352,19 +353,11 @@ def test_export_refuses_to_replace_unless_asked(tmp_path):
     out.mkdir()
     (out / "keep.txt").write_text("user data")
     with pytest.raises(UserError, match="already exists; pass --overwrite"):
-        load_weight.save_hf_gpt2(ours, str(out))
+        load_weight.save_hf_model(ours, str(out))
     assert (out / "keep.txt").exists()
-    load_weight.save_hf_gpt2(ours, str(out), overwrite=True)
+    load_weight.save_hf_model(ours, str(out), overwrite=True)
     assert sorted(os.listdir(out)) == ["config.json", "generation_config.json", "model.safetensors"]
     assert sorted(os.listdir(tmp_path)) == ["hf"]
-
-
-def test_export_refuses_what_gpt2_cannot_hold(tmp_path):
-    rope = GPTModel(GPTConfig(vocab_size=300, context_length=CTX, emb_dim=EMB, n_heads=HEADS, n_layers=1,
-                              position_embedding="rope"))
-    with pytest.raises(UserError, match="cannot export to GPT-2 format"):
-        load_weight.save_hf_gpt2(rope, str(tmp_path / "hf"))
-    assert not (tmp_path / "hf").exists()
 
 
 # --------------------------------------------------------------------------------------------------------------

@@ -1,0 +1,262 @@
+"""Every configuration ``gpt_model.py`` builds, out to ``transformers`` and back (``plumbing/hf_weights.py``).
+
+The expected values come from ``transformers`` itself: an export must load with ``AutoModelForCausalLM`` /
+``AutoModelForSequenceClassification`` and give our logits, greedy tokens and rewards; models built by
+``transformers`` with random weights (not by our exporter) must import and give theirs. GPT-2's own cases (uer's
+and OpenAI's layouts) are in ``test_load_weight.py``.
+"""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    GPTNeoXConfig,
+    GPTNeoXForCausalLM,
+)
+from transformers.utils import logging as hf_logging
+
+from chinese_tokenizer import CHAT_TEMPLATE, chat_messages_ids
+from gpt_model import GPTConfig, GPTModel, RewardModel, generate
+from plumbing import hf_weights
+from plumbing.checkpoint import load_checkpoint, save_checkpoint
+from plumbing.cli import UserError
+from plumbing.reward import score_texts
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+CTX, EMB, HEADS, LAYERS = 64, 32, 4, 2  # head dimension 8: four rotary pairs per head
+COMBOS = [(norm, position) for norm in ("layernorm", "rmsnorm") for position in ("learned", "rope")]
+EXPECTED = {("layernorm", "learned"): "GPT2LMHeadModel", ("layernorm", "rope"): "GPTNeoXForCausalLM",
+            ("rmsnorm", "rope"): "ArceeForCausalLM"}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def quiet_single_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    yield
+    torch.set_num_threads(before)
+
+
+def randomised(model, seed=0):
+    """Every parameter random and large, so logits are spread and a wrong mapping shows (the default init gives
+    nearly flat logits, where greedy ties hide errors)."""
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1.0 + 0.2 * torch.randn_like(p)) if name.endswith("scale") else p.normal_(0.0, 0.3)
+    return model.eval()
+
+
+def tiny(norm, position, vocab_size=300, **changes):
+    return GPTConfig(vocab_size=vocab_size, context_length=CTX, emb_dim=EMB, n_heads=HEADS, n_layers=LAYERS,
+                     drop_rate=0.0, norm=norm, position_embedding=position, **changes)
+
+
+def padded_batch(vocab_size, side, seed=1):
+    """(ids, attention_mask): three rows of 20, the first two padded on ``side`` by 5 and 9."""
+    ids = torch.randint(1, vocab_size, (3, 20), generator=torch.Generator().manual_seed(seed))
+    mask = torch.ones_like(ids)
+    for row, pad in ((0, 5), (1, 9)):
+        if side == "left":
+            mask[row, :pad] = 0
+        else:
+            mask[row, -pad:] = 0
+    return ids.masked_fill(mask == 0, 0), mask
+
+
+def positions(mask):
+    """Position ids counted from each row's first real token, as ``transformers``' ``generate`` passes them."""
+    return (mask.cumsum(1) - 1).clamp(min=0)
+
+
+def same_weights(a, b, skip=()):
+    return all(torch.equal(x, b.state_dict()[name]) for name, x in a.state_dict().items()
+               if not any(s in name for s in skip))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# language models
+
+
+@pytest.mark.parametrize("qkv_bias, tied", [(False, True), (True, False)], ids=["tied", "untied-qkv-bias"])
+@pytest.mark.parametrize("norm, position", COMBOS, ids=[f"{n}-{p}" for n, p in COMBOS])
+def test_each_configuration_exports_exactly_or_is_refused(tmp_path, norm, position, qkv_bias, tied):
+    cfg = tiny(norm, position, qkv_bias=qkv_bias, tie_embeddings=tied)
+    ours = randomised(GPTModel(cfg))
+    out = tmp_path / "hf"
+    if (norm, position) not in EXPECTED:
+        with pytest.raises(UserError) as e:
+            hf_weights.save_hf_model(ours, str(out))
+        message = str(e.value)
+        assert "\n" not in message and "rmsnorm" in message and "learned" in message and "RMSNorm" in message
+        assert not out.exists()
+        return
+    assert hf_weights.save_hf_model(ours, str(out)) == EXPECTED[norm, position]
+    hf = AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    assert type(hf).__name__ == EXPECTED[norm, position]
+    for side in ("left", "right"):
+        ids, mask = padded_batch(cfg.vocab_size, side)
+        with torch.no_grad():
+            theirs = hf(ids, attention_mask=mask, position_ids=positions(mask)).logits
+            mine = ours(ids, attention_mask=mask)["logits"]
+        real = mask.bool()
+        assert (theirs - mine)[real].abs().max() <= 1e-4, side
+    prompt = ids[2:3, :8]
+    expected = hf.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=32, do_sample=False,
+                           eos_token_id=None, pad_token_id=0)
+    assert generate(ours, prompt, 32, CTX).tolist() == expected.tolist()
+
+    back = hf_weights.load_hf_model(str(out))
+    assert isinstance(back, GPTModel) and back.cfg == cfg
+    assert same_weights(ours, back)  # bit for bit
+
+
+def test_rotary_rows_must_be_permuted(tmp_path, monkeypatch):
+    """The pairing convention matters: exported without moving the rows, GPT-NeoX computes another function."""
+    ours = randomised(GPTModel(tiny("layernorm", "rope")))
+    monkeypatch.setattr(hf_weights, "rope_to_halves", lambda d: torch.arange(d))
+    hf_weights.save_hf_model(ours, str(tmp_path / "hf"))
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+    ids = padded_batch(300, "right")[0][2:]
+    with torch.no_grad():
+        assert (hf(ids).logits - ours(ids)["logits"]).abs().max() > 1e-2
+
+
+def test_order_of_rotary_rows():
+    assert hf_weights.rope_to_halves(8).tolist() == [0, 2, 4, 6, 1, 3, 5, 7]
+    w = torch.arange(16.0)[:, None]  # two heads of d_h = 8: rows 0..7, 8..15
+    moved = hf_weights.permute_heads(w, 2, hf_weights.rope_to_halves(8))
+    assert moved[:, 0].tolist() == [0, 2, 4, 6, 1, 3, 5, 7, 8, 10, 12, 14, 9, 11, 13, 15]
+
+
+@pytest.mark.parametrize("arch", ["gpt_neox", "arcee"])
+def test_models_built_by_transformers_import(tmp_path, arch):
+    """A GPT-NeoX or Arcee that transformers made (random weights, its own save_pretrained) loads and matches."""
+    from transformers import AutoConfig
+
+    settings = dict(vocab_size=300, hidden_size=EMB, num_hidden_layers=LAYERS, num_attention_heads=HEADS,
+                    intermediate_size=4 * EMB, hidden_act="gelu_pytorch_tanh", max_position_embeddings=CTX,
+                    attention_bias=True, tie_word_embeddings=False)
+    if arch == "gpt_neox":
+        settings |= dict(use_parallel_residual=False, rotary_pct=1.0, layer_norm_eps=1e-6)
+    else:
+        settings |= dict(mlp_bias=True, rms_norm_eps=1e-6, num_key_value_heads=HEADS)
+    torch.manual_seed(3)
+    hf = AutoModelForCausalLM.from_config(AutoConfig.for_model(arch, **settings))
+    randomised(hf, seed=4)
+    hf.save_pretrained(str(tmp_path / "hf"))
+    ours = hf_weights.load_hf_model(str(tmp_path / "hf"), want="gpt")
+    assert ours.cfg.layer_norm_eps == 1e-6 and ours.cfg.qkv_bias and not ours.cfg.tie_embeddings
+    ids, mask = padded_batch(300, "left")
+    with torch.no_grad():
+        diff = hf(ids, attention_mask=mask, position_ids=positions(mask)).logits - ours(ids, mask)["logits"]
+    assert diff[mask.bool()].abs().max() <= 1e-4
+
+
+@pytest.mark.parametrize("override, words", [
+    ({"use_parallel_residual": True}, "use_parallel_residual is true"),
+    ({"rotary_pct": 0.25}, "fraction 0.25"),
+    ({"rotary_emb_base": 500.0}, "base 500"),
+    ({"hidden_act": "gelu"}, "hidden_act is 'gelu'"),
+    ({"attention_bias": False}, "attention_bias"),
+])
+def test_neox_variants_our_model_cannot_compute_are_refused(tmp_path, override, words):
+    settings = dict(vocab_size=300, hidden_size=EMB, num_hidden_layers=1, num_attention_heads=HEADS,
+                    intermediate_size=4 * EMB, hidden_act="gelu_pytorch_tanh", max_position_embeddings=CTX,
+                    use_parallel_residual=False, rotary_pct=1.0)
+    GPTNeoXForCausalLM(GPTNeoXConfig(**{**settings, **override})).save_pretrained(str(tmp_path / "hf"))
+    with pytest.raises(UserError, match="config.json") as e:
+        hf_weights.load_hf_model(str(tmp_path / "hf"))
+    assert words in str(e.value) and "\n" not in str(e.value)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# reward models
+
+TEXTS = [("", "房间很干净，服务也好。"), ("这家酒店怎么样？", "太吵了"),
+         ("评价一下", "位置不错，早餐种类很多，下次还来。“值得”"), ("", "差")]
+
+
+@pytest.mark.parametrize("norm, position", list(EXPECTED), ids=[f"{n}-{p}" for n, p in EXPECTED])
+def test_reward_model_exports_as_sequence_classification(tmp_path, tokenizer, norm, position):
+    cfg = tiny(norm, position, vocab_size=21128)
+    rm = randomised(RewardModel(cfg), seed=5)
+    with torch.no_grad():  # transformers' score has no bias: LayerNorm models fold it into the final shift
+        rm.head.linear.bias.fill_(0.7 if norm == "layernorm" else 0.0)
+    out = tmp_path / "rm-hf"
+    written = hf_weights.save_hf_model(rm, str(out), tokenizer)
+    assert written.endswith("ForSequenceClassification")
+    hf = AutoModelForSequenceClassification.from_pretrained(str(out)).eval()
+    hf_tokenizer = AutoTokenizer.from_pretrained(str(out))
+    expected = score_texts(rm, tokenizer, [p for p, _ in TEXTS], [r for _, r in TEXTS])
+    for side in ("left", "right"):
+        hf_tokenizer.padding_side = side
+        batch = hf_tokenizer([p + "[ANS]" + r for p, r in TEXTS], padding=True, return_tensors="pt")
+        assert bool((batch["attention_mask"] == 0).any())  # the lengths differ: the batch is padded
+        extra = {"position_ids": positions(batch["attention_mask"])} if position == "learned" else {}
+        with torch.no_grad():
+            scores = hf(batch["input_ids"], attention_mask=batch["attention_mask"], **extra).logits[:, 0]
+        assert max(abs(a - b) for a, b in zip(scores.tolist(), expected)) <= 1e-4, side
+    # the tokenizer carries the chat template: one user turn and the response read as the RM reads them
+    messages = [{"role": "user", "content": TEXTS[1][0]}]
+    assert hf_tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False) == \
+        chat_messages_ids([("user", TEXTS[1][0])], tokenizer)
+
+    back = hf_weights.load_hf_model(str(out), want="reward")
+    assert isinstance(back, RewardModel) and back.cfg == cfg and same_weights(rm, back)  # the fold undone exactly
+    with pytest.raises(UserError, match="is a reward model"):
+        hf_weights.load_hf_model(str(out), want="gpt")
+
+
+def test_reward_bias_without_a_place_is_refused(tmp_path):
+    rm = randomised(RewardModel(tiny("rmsnorm", "rope")))
+    with torch.no_grad():
+        rm.head.linear.bias.fill_(0.3)
+    with pytest.raises(UserError, match="RMSNorm model has no shift"):
+        hf_weights.save_hf_model(rm, str(tmp_path / "hf"))
+    assert not (tmp_path / "hf").exists()
+
+
+# --------------------------------------------------------------------------------------------------------------
+# the commands
+
+
+def run(script, *args, cwd):
+    return subprocess.run([sys.executable, str(REPO_ROOT / script), *map(str, args)], capture_output=True, text=True,
+                          cwd=cwd, timeout=300)
+
+
+@pytest.mark.slow
+def test_cli_exports_chat_models_and_reward_models_and_imports_them(tmp_path, tokenizer):
+    """load_weight.py --to_hf on an SFT-stage (chat) checkpoint and on a reward checkpoint, back with --from_hf;
+    generate.py --from_hf answers the export through the chat template, as it answers the checkpoint."""
+    policy = randomised(GPTModel(tiny("layernorm", "rope", vocab_size=21128)), seed=6)
+    save_checkpoint(str(tmp_path / "sft"), policy, tokenizer, {"stage": "sft", "step": 1})
+    rm = randomised(RewardModel(tiny("layernorm", "rope", vocab_size=21128)), seed=7)
+    save_checkpoint(str(tmp_path / "rm"), rm, tokenizer, {"stage": "rm", "step": 1})
+
+    done = run("load_weight.py", "--checkpoint", tmp_path / "sft", "--to_hf", tmp_path / "sft-hf", cwd=tmp_path)
+    assert done.returncode == 0 and "GPTNeoXForCausalLM" in done.stdout and "chat template" in done.stdout, done.stderr
+    assert AutoTokenizer.from_pretrained(str(tmp_path / "sft-hf")).chat_template == CHAT_TEMPLATE
+    done = run("load_weight.py", "--checkpoint", tmp_path / "rm", "--to_hf", tmp_path / "rm-hf", cwd=tmp_path)
+    assert done.returncode == 0 and "AutoModelForSequenceClassification" in done.stdout, done.stderr
+
+    done = run("load_weight.py", "--from_hf", tmp_path / "rm-hf", "--to_checkpoint", tmp_path / "rm-back",
+               cwd=tmp_path)
+    assert done.returncode == 0 and "reward model" in done.stdout, done.stderr
+    back, _, config = load_checkpoint(str(tmp_path / "rm-back"), "reward")
+    assert config["stage"] == "hf-import" and same_weights(rm, back)
+
+    answers = [run("generate.py", flag, path, "--prompt", "你好", "--temperature", 0, "--max_new_tokens", 6,
+                   cwd=tmp_path) for flag, path in (("--checkpoint", tmp_path / "sft"),
+                                                   ("--from_hf", tmp_path / "sft-hf"))]
+    assert all(a.returncode == 0 and "chat template" in a.stderr for a in answers), [a.stderr for a in answers]
+    assert answers[0].stdout == answers[1].stdout
