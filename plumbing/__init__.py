@@ -15,6 +15,6 @@ Alignment and judging:    rollouts (sampling answers, their log-probs), reward (
                           rule), alignment (the aligners' rewards, set-up and held-out monitors), judge (the
                           independent judge and the monitors), baselines (counting)
 Verifiable tasks:         verifiers (the strict checkers), tasks (the verifier's reward, exact accuracy, pass@k)
-Inference and export:     inference (loading a model to answer with), hf_weights (Hugging Face GPT-2 in and out)
+Inference and export:     inference (loading a model to answer with), hf_weights (weights in and out of transformers)
 Reporting:                report (the report card and the Markdown table helper)
 """

@@ -5,6 +5,7 @@ Markdown table of the project is built with (``markdown_table``: samples.md file
   baseline it must beat, and what the baselines are;
 * ``held_out_section``: the four ways to align the SFT model side by side on the held-out prompts, with the
   reward-hacking flags;
+* ``export_section``: the command that takes the best aligned model (and the RM) to ``transformers``;
 * ``curves_section`` and ``answers_section``: the curves, and the same prompts answered by every model;
 * ``write_report``: all of them, in that order.
 
@@ -19,7 +20,9 @@ import os
 import shutil
 
 from chinese_tokenizer import encode, load_tokenizer
-from plumbing.cli import default_path
+from gpt_model import GPTConfig
+from plumbing.cli import UserError, default_path
+from plumbing.hf_weights import CLASSES, architecture_for
 from plumbing.judge import distinct_n, longest_repeat, reward_hacking_flag
 
 
@@ -211,6 +214,34 @@ def notes_section(preset: str, kept) -> list[str]:
     return lines + ([TINY_WARNING, ""] if preset == "tiny" else [])
 
 
+def export_section(records: dict, checkpoints: dict) -> list[str]:
+    """Markdown lines: the ``load_weight.py --to_hf`` commands for the aligned model with the highest held-out judge
+    score among those without a reward-hacking flag (all of them if every one is flagged) and for the RM, with the
+    ``transformers`` class each becomes. Nothing if no alignment stage measured its held-out answers."""
+    judged = [(r["metrics"]["held_out"][stage]["judge"], stage) for stage, r in records.items()
+              if stage in ALIGNED and r["metrics"].get("held_out", {}).get(stage)]
+    if not judged:
+        return []
+    clean = [(j, stage) for j, stage in judged if not records[stage]["metrics"].get("reward_hacking")]
+    judge, best = max(clean or judged)
+    lines = ["## Take the models elsewhere", ""]
+    for stage, why in ((best, f"the aligned model with the highest judge score ({judge:.3f})"
+                              f"{'' if clean else ', although every aligner is flagged'}"), ("rm", "the reward model")):
+        if stage not in records:
+            continue
+        try:
+            cfg = GPTConfig.from_dict(records[stage]["config"]["model"])
+            name = CLASSES[architecture_for(cfg)][1 if stage == "rm" else 0]
+        except (KeyError, TypeError, ValueError, UserError) as e:
+            lines.append(f"- {stage.upper()}, {why}, cannot be exported: {e}")
+            continue
+        out = os.path.join("hf", stage)
+        lines.append(f"- {stage.upper()}, {why}: `python load_weight.py --checkpoint {checkpoints[stage]} --to_hf "
+                     f"{out}` writes a `{name}` that `transformers` loads with `from_pretrained(\"{out}\")`"
+                     f"{', its tokenizer with the chat template' if stage != 'rm' else ''}.")
+    return lines + [""]
+
+
 def curves_section(checkpoints: dict, report_dir: str) -> list[str]:
     """Markdown lines: every stage's curves, each PNG copied next to the report as ``<stage>-<name>``."""
     lines = ["## Curves", ""]
@@ -260,12 +291,13 @@ def read_records(checkpoints: dict) -> dict:
 def write_report(report_dir: str, checkpoints: dict, preset: str, launch: str, times: dict, answers: dict,
                  best_of_n=None, baselines=None, kept=()) -> str:
     """``report_dir/report.md``, section after section: the stage table, the notes under it, the held-out comparison
-    of the aligners, the curves and the answers table (``kept``: the stages that ``--resume`` kept from the earlier
-    run). Returns the Markdown."""
+    of the aligners, the export commands, the curves and the answers table (``kept``: the stages that ``--resume``
+    kept from the earlier run). Returns the Markdown."""
     records = read_records(checkpoints)
     metrics = {stage: r["metrics"] for stage, r in records.items()}
     lines = (stage_table(preset, launch, times, records, baselines or {}) + notes_section(preset, kept)
-             + held_out_section(metrics, best_of_n, times) + curves_section(checkpoints, report_dir)
+             + held_out_section(metrics, best_of_n, times) + export_section(records, checkpoints)
+             + curves_section(checkpoints, report_dir)
              + answers_section(answers, load_tokenizer(default_path("data", "tokenizer"))))
     report = "\n".join(lines) + "\n"
     with open(os.path.join(report_dir, "report.md"), "w", encoding="utf-8") as f:

@@ -55,6 +55,29 @@ def test_held_out_section_with_one_stage_and_no_best_of_n():
     assert report.held_out_section({"ppo": {}}) == []  # checkpoints from before the monitors
 
 
+def test_export_section_names_the_best_unflagged_aligner_and_the_rm():
+    demo = {"model": {"norm": "layernorm", "position_embedding": "rope"}}
+    records = {stage: {"config": demo, "metrics": {"held_out": {stage: {**MONITORS, "judge": judge}},
+                                                   "reward_hacking": flag}}
+               for stage, judge, flag in (("ppo", 0.62, ""), ("dpo", 0.66, "reward hacking suspected"),
+                                          ("grpo", 0.55, ""))}
+    records["rm"] = {"config": demo, "metrics": {}}
+    checkpoints = {stage: f"checkpoints/{stage}" for stage in records}
+    text = "\n".join(report.export_section(records, checkpoints))
+    # DPO scores highest but is flagged: PPO is the best aligned model
+    assert "- PPO, the aligned model with the highest judge score (0.620): `python load_weight.py --checkpoint " \
+           "checkpoints/ppo --to_hf hf/ppo` writes a `GPTNeoXForCausalLM`" in text
+    assert "`python load_weight.py --checkpoint checkpoints/rm --to_hf hf/rm` writes a " \
+           "`GPTNeoXForSequenceClassification`" in text
+    for stage in ("ppo", "grpo"):
+        records[stage]["metrics"]["reward_hacking"] = "flagged"
+    text = "\n".join(report.export_section(records, checkpoints))
+    assert "- DPO, the aligned model with the highest judge score (0.660), although every aligner is flagged" in text
+    records["dpo"]["config"] = {"model": {"norm": "rmsnorm", "position_embedding": "learned"}}
+    assert "cannot be exported: cannot export norm='rmsnorm'" in "\n".join(report.export_section(records, checkpoints))
+    assert report.export_section({"rm": records["rm"]}, checkpoints) == []
+
+
 def test_aligned_summary_names_the_stage_and_dpo_pairs():
     def fmt(value, spec=".3f"):
         return "—" if value is None else format(value, spec)
