@@ -235,8 +235,9 @@ def export_section(records: dict, checkpoints: dict) -> list[str]:
         except (KeyError, TypeError, ValueError, UserError) as e:
             lines.append(f"- {stage.upper()}, {why}, cannot be exported: {e}")
             continue
-        out = os.path.join("hf", stage)
-        lines.append(f"- {stage.upper()}, {why}: `python load_weight.py --checkpoint {checkpoints[stage]} --to_hf "
+        out, path = os.path.join("hf", stage), os.path.relpath(checkpoints[stage])
+        path = checkpoints[stage] if path.startswith("..") else path  # short when under the working directory
+        lines.append(f"- {stage.upper()}, {why}: `python load_weight.py --checkpoint {path} --to_hf "
                      f"{out}` writes a `{name}` that `transformers` loads with `from_pretrained(\"{out}\")`"
                      f"{', its tokenizer with the chat template' if stage != 'rm' else ''}.")
     return lines + [""]
