@@ -260,3 +260,17 @@ def test_cli_exports_chat_models_and_reward_models_and_imports_them(tmp_path, to
                                                    ("--from_hf", tmp_path / "sft-hf"))]
     assert all(a.returncode == 0 and "chat template" in a.stderr for a in answers), [a.stderr for a in answers]
     assert answers[0].stdout == answers[1].stdout
+
+    # pretraining starts from the GPT-NeoX export too (a rate so small that one step leaves the weights in place)
+    text = "中国是世界上历史最悠久的国家之一。人民日报发表社论，回顾一年来的经济建设成就。\n\n" * 8
+    (tmp_path / "train.txt").write_text(text, encoding="utf-8")
+    done = run("0-PRETRAIN.py", "--init_from_hf", tmp_path / "sft-hf", "--preset", "tiny", "--max_steps", 1,
+               "--learning_rate", 1e-9, "--batch_size", 2, "--eval_examples", 2, "--context_length", CTX,
+               "--train_files", tmp_path / "train.txt", "--val_files", tmp_path / "train.txt",
+               "--output_dir", tmp_path / "pretrain", "--tokenizer", REPO_ROOT / "data" / "tokenizer", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    continued, _, _ = load_checkpoint(str(tmp_path / "pretrain"))
+    assert continued.cfg.position_embedding == "rope" and continued.cfg.bos_id is None
+    ids = padded_batch(21128, "right")[0]
+    with torch.no_grad():
+        torch.testing.assert_close(continued(ids)["logits"], policy(ids)["logits"], atol=1e-4, rtol=1e-4)
