@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from chinese_tokenizer import CHAT_TEMPLATE
 from gpt_model import RewardModel
 from plumbing.checkpoint import (
     CHAT_STAGES,
@@ -97,7 +98,9 @@ def main(argv=None):
     check_vocab(tokenizer, model.cfg.vocab_size, f"--from_hf {args.from_hf}", "stage checkpoints need the 21128-id "
                 "Chinese vocabulary (e.g. uer/gpt2-chinese-cluecorpussmall), not OpenAI's BPE")
     files = hf_weight_files(args.from_hf)
-    meta = {"stage": "hf-import", "parent": os.path.abspath(args.from_hf),
+    # an export of a chat stage (its tokenizer has our template) stays a chat model; reward models always read it
+    chat = tokenizer.chat_template == CHAT_TEMPLATE and not isinstance(model, RewardModel)
+    meta = {"stage": "hf-import-chat" if chat else "hf-import", "parent": os.path.abspath(args.from_hf),
             "parent_sha256": file_sha256(files[0]) if len(files) == 1 else None,
             "step": 0, "tokens_seen": 0, "metrics": {}, "command": command_line()}
     save_checkpoint(args.to_checkpoint, model, tokenizer, meta)

@@ -33,7 +33,9 @@ from plumbing.cli import UserError
 
 MODEL_FILE, CONFIG_FILE, TOKENIZER_DIR, STATE_DIR = "model.safetensors", "config.json", "tokenizer", "state"
 MODEL_TYPES = {"gpt": GPTModel, "reward": RewardModel}
-CHAT_STAGES = ("sft", "ppo", "dpo", "grpo")  # the stages whose checkpoints were trained on the chat template
+# the stages whose checkpoints were trained on the chat template; "hf-import-chat" is an import (load_weight.py
+# --from_hf) of a model exported from one of them, whose tokenizer carries the chat template
+CHAT_STAGES = ("sft", "ppo", "dpo", "grpo", "hf-import-chat")
 
 
 def check_output_dir(output_dir: str, overwrite: bool, resume: bool) -> None:
@@ -161,6 +163,9 @@ def load_checkpoint(path: str, model_type: str | None = None, expect_vocab_size:
     """
     where = f"{flag} {path}" if flag else path
     config = read_config(path)
+    if "model" not in config and "architectures" in config:
+        raise UserError(f"{where} is a Hugging Face directory, not a checkpoint of this project; read it with "
+                        f"--from_hf {path} (generate.py, load_weight.py) or --init_from_hf (0-PRETRAIN.py)")
     try:
         cfg = GPTConfig.from_dict(config["model"])
     except (KeyError, TypeError, ValueError) as e:

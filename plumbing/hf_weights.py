@@ -77,6 +77,7 @@ The command ``load_weight.py`` converts a directory either way with these functi
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import re
@@ -109,6 +110,7 @@ CLASSES = {"gpt2": ("GPT2LMHeadModel", "GPT2ForSequenceClassification", "transfo
 # the name of an untied output head in each architecture's files
 UNTIED_HEAD = {"gpt2": "lm_head.weight", "gpt_neox": "embed_out.weight", "arcee": "lm_head.weight"}
 SCORE = "score.weight"  # (1, E) the reward head of every *ForSequenceClassification
+MODEL_INPUTS = ("input_ids", "attention_mask")  # what an exported tokenizer returns
 ROPE_BASE = 10000.0  # gpt_model.rope_angles' base
 
 # Defaults of the transformers configs for the fields read here (a config.json may leave them out).
@@ -633,7 +635,8 @@ def save_hf_model(model, out_dir: str, tokenizer=None, overwrite: bool = False, 
     ``generation_config.json``, and when given the tokenizer (``save_pretrained``; ``AutoTokenizer`` then encodes
     as ours does, but its decode puts a space between characters: decode with ``chinese_tokenizer``). With
     ``chat`` (a model trained on the chat template: SFT and after) and always for a reward model, the tokenizer
-    carries ``CHAT_TEMPLATE``, so ``apply_chat_template`` builds the prompts it was trained on.
+    carries ``CHAT_TEMPLATE``, so ``apply_chat_template`` builds the prompts it was trained on. The saved tokenizer
+    returns ``input_ids`` and ``attention_mask`` only (``MODEL_INPUTS``), so ``model.generate(**batch)`` works.
 
     ``AutoModelForCausalLM.from_pretrained(out_dir)`` then gives the same logits as ``model``;
     ``AutoModelForSequenceClassification`` the same rewards as a ``RewardModel`` for ``[CLS] prompt [ANS]
@@ -670,12 +673,11 @@ def save_hf_model(model, out_dir: str, tokenizer=None, overwrite: bool = False, 
             with open(os.path.join(tmp, name), "w", encoding="utf-8") as f:
                 json.dump(content, f, indent=2)
         if tokenizer is not None:
-            before = tokenizer.chat_template
-            tokenizer.chat_template = CHAT_TEMPLATE if chat or reward else None
-            try:
-                tokenizer.save_pretrained(tmp)
-            finally:
-                tokenizer.chat_template = before
+            exported = copy.deepcopy(tokenizer)  # the caller's tokenizer stays as it was
+            exported.chat_template = CHAT_TEMPLATE if chat or reward else None
+            # no token_type_ids: the models take none, and generate(**tokenizer(...)) would refuse them
+            exported.model_input_names = exported.init_kwargs["model_input_names"] = list(MODEL_INPUTS)
+            exported.save_pretrained(tmp)
         replace_dir(tmp, out_dir)
     except OSError as e:
         if tmp is not None:

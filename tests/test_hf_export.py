@@ -205,6 +205,7 @@ def test_reward_model_exports_as_sequence_classification(tmp_path, tokenizer, no
         with torch.no_grad():
             scores = hf(batch["input_ids"], attention_mask=batch["attention_mask"], **extra).logits[:, 0]
         assert max(abs(a - b) for a, b in zip(scores.tolist(), expected)) <= 1e-4, side
+    assert "token_type_ids" not in hf_tokenizer("好")  # what the models take, no more
     # the tokenizer carries the chat template: one user turn and the response read as the RM reads them
     messages = [{"role": "user", "content": TEXTS[1][0]}]
     assert hf_tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False) == \
@@ -255,11 +256,25 @@ def test_cli_exports_chat_models_and_reward_models_and_imports_them(tmp_path, to
     back, _, config = load_checkpoint(str(tmp_path / "rm-back"), "reward")
     assert config["stage"] == "hf-import" and same_weights(rm, back)
 
+    # a chat export imported back stays a chat model, and exports again with its template
+    done = run("load_weight.py", "--from_hf", tmp_path / "sft-hf", "--to_checkpoint", tmp_path / "sft-back",
+               cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert load_checkpoint(str(tmp_path / "sft-back"))[2]["stage"] == "hf-import-chat"
+    done = run("load_weight.py", "--checkpoint", tmp_path / "sft-back", "--to_hf", tmp_path / "sft-hf2", cwd=tmp_path)
+    assert done.returncode == 0 and "chat template" in done.stdout, done.stderr
+
     answers = [run("generate.py", flag, path, "--prompt", "你好", "--temperature", 0, "--max_new_tokens", 6,
                    cwd=tmp_path) for flag, path in (("--checkpoint", tmp_path / "sft"),
-                                                   ("--from_hf", tmp_path / "sft-hf"))]
+                                                   ("--from_hf", tmp_path / "sft-hf"),
+                                                   ("--checkpoint", tmp_path / "sft-back"),
+                                                   ("--from_hf", tmp_path / "sft-hf2"))]
     assert all(a.returncode == 0 and "chat template" in a.stderr for a in answers), [a.stderr for a in answers]
-    assert answers[0].stdout == answers[1].stdout
+    assert len({a.stdout for a in answers}) == 1
+
+    # a Hugging Face directory where a checkpoint is expected: the error says which flag reads it
+    done = run("generate.py", "--checkpoint", tmp_path / "sft-hf", "--prompt", "你好", cwd=tmp_path)
+    assert done.returncode == 2 and "is a Hugging Face directory" in done.stderr and "--from_hf" in done.stderr
 
     # pretraining starts from the GPT-NeoX export too (a rate so small that one step leaves the weights in place)
     text = "中国是世界上历史最悠久的国家之一。人民日报发表社论，回顾一年来的经济建设成就。\n\n" * 8
