@@ -397,7 +397,8 @@ def _split_qkv(hf_state: dict, arch: str, block: str, cfg: GPTConfig) -> tuple[l
     with the rotary rows back in adjacent pairs."""
     e, h = cfg.emb_dim, cfg.n_heads
     if arch == "gpt2":
-        w_qkv, b_qkv = hf_state[block + "attn.c_attn.weight"], hf_state[block + "attn.c_attn.bias"]  # (E, 3E), (3E,)
+        w_qkv = hf_state[block + "attn.c_attn.weight"]  # (E, 3E)
+        b_qkv = hf_state.get(block + "attn.c_attn.bias", torch.zeros(3 * e))  # (3E,) a file may have none
         weights = [w_qkv[:, j * e:(j + 1) * e].t() for j in range(3)]  # x @ w_qkv = [q | k | v]
         biases = [b_qkv[j * e:(j + 1) * e] for j in range(3)]
         return weights, biases

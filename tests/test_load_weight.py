@@ -247,6 +247,21 @@ def test_config_with_more_layers_than_the_weights(tmp_path):
         load_weight.load_hf_model(str(tmp_path))
 
 
+def test_gpt2_file_without_qkv_biases_loads(tmp_path):
+    hf = random_hf_gpt2(300, seed=13)
+    state = {k: v for k, v in hf_tensors(hf).items() if not k.endswith("c_attn.bias")}
+    with torch.no_grad():
+        for block in hf.transformer.h:
+            block.attn.c_attn.bias.zero_()  # what the file without them computes
+    save_file(state, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    write_config(tmp_path, hf)
+    ours = load_weight.load_hf_model(str(tmp_path))
+    assert not ours.cfg.qkv_bias
+    ids = sample_ids(300, 2, CTX)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids)["logits"], hf(ids).logits, atol=1e-4, rtol=1e-4)
+
+
 def test_shape_disagreeing_with_config(tmp_path):
     hf = random_hf_gpt2(300, seed=9)
     save_with_transformers(hf, tmp_path)
