@@ -1,4 +1,5 @@
-"""Shared pytest setup: the repository root on ``sys.path``, the ``slow`` marker, and a ``tokenizer`` fixture."""
+"""Shared pytest setup: the repository root on ``sys.path``, the ``slow`` marker, a ``tokenizer`` fixture and
+``quiet_single_thread`` for modules of tiny models compared with transformers."""
 
 import os
 import subprocess
@@ -19,6 +20,21 @@ os.environ["ACCELERATE_MIXED_PRECISION"] = "no"
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: takes more than ~10 s; still run by CI")
+
+
+@pytest.fixture(scope="module")
+def quiet_single_thread():
+    """For modules of tiny models compared with transformers: one intra-op thread is faster on a busy 2-core box,
+    and transformers' progress bars and warnings are noise. Use with ``pytest.mark.usefixtures``."""
+    import torch
+    from transformers.utils import logging as hf_logging
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")

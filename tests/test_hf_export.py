@@ -19,7 +19,6 @@ from transformers import (
     GPTNeoXConfig,
     GPTNeoXForCausalLM,
 )
-from transformers.utils import logging as hf_logging
 
 from chinese_tokenizer import CHAT_TEMPLATE, chat_messages_ids
 from gpt_model import GPTConfig, GPTModel, RewardModel, generate
@@ -35,14 +34,7 @@ EXPECTED = {("layernorm", "learned"): "GPT2LMHeadModel", ("layernorm", "rope"): 
             ("rmsnorm", "rope"): "ArceeForCausalLM"}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def quiet_single_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("quiet_single_thread")  # conftest.py
 
 
 def randomised(model, seed=0):

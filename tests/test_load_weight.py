@@ -18,7 +18,6 @@ import pytest
 import torch
 from safetensors.torch import save_file
 from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
-from transformers.utils import logging as hf_logging
 
 import load_weight
 from chinese_tokenizer import encode
@@ -30,15 +29,7 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 CTX, EMB, LAYERS, HEADS = 32, 32, 2, 2
 
 
-@pytest.fixture(autouse=True, scope="module")
-def quiet_single_thread():
-    """Tiny tensors: one intra-op thread is faster on a busy 2-core box. transformers' progress bars are noise."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    hf_logging.set_verbosity_error()
-    hf_logging.disable_progress_bar()
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("quiet_single_thread")  # conftest.py
 
 
 # --------------------------------------------------------------------------------------------------------------
