@@ -31,6 +31,7 @@ from gpt_model import generate
 from plumbing.batching import BatchSchedule, ChatPairs, length_grouped_batches, spread_subset
 from plumbing.checkpoint import check_output_dir, load_backbone
 from plumbing.cli import UserError, add_optimizer_argument, default_path, fill_defaults, positive_int, run, stage_parser
+from plumbing.flops import training_flops_per_token
 from plumbing.optimizers import make_optimizer
 from plumbing.records import read_chat_pairs
 from plumbing.report import markdown_table
@@ -153,7 +154,8 @@ def main(argv=None):
     optimizer = make_optimizer(model, args.learning_rate, args.weight_decay, args.optimizer)
     model, optimizer = accelerator.prepare(model, optimizer)
     stage = StageRun("sft", args, accelerator, model, optimizer, tokenizer, parent,
-                     plot=("loss_curve.png", ["train_loss", "val_loss"]))
+                     plot=("loss_curve.png", ["train_loss", "val_loss"]),
+                     flops_per_token=training_flops_per_token(cfg, max_length))  # batches are at most max_length
     table = []  # the latest greedy answers to the fixed prompts
     stage.files["samples.md"] = lambda path: write_samples(path, table, stage.step)
 

@@ -28,6 +28,7 @@ from plumbing.alignment import PROMPT_FILES, HeldOut, add_held_out_arguments, lo
 from plumbing.batching import BatchSchedule, chat_example, collate_chat, length_grouped_batches, spread_subset
 from plumbing.checkpoint import check_output_dir
 from plumbing.cli import UserError, default_path, fill_defaults, positive_float, positive_int, run, stage_parser
+from plumbing.flops import training_flops_per_token
 from plumbing.optimizers import make_optimizer
 from plumbing.records import read_preference_pairs
 from plumbing.reward import pairs_ranked_right
@@ -193,11 +194,14 @@ def main(argv=None):
     schedule = BatchSchedule(len(batches), 1, args.gradient_accumulation_steps, accelerator.num_processes, args.seed)
 
     # --- optimizer, Accelerate, and the stage's plumbing (which resumes a run given --resume) -------------------
+    # the policy's training FLOPs; the reference's forward pass on the same tokens (a third more) is not counted
+    flops_per_token = training_flops_per_token(policy.cfg, args.max_length)
     optimizer = make_optimizer(policy, args.learning_rate, args.weight_decay)
     policy, optimizer = accelerator.prepare(policy, optimizer)
     stage = StageRun("dpo", args, accelerator, policy, optimizer, tokenizer,
                      {**parent, "beta": args.beta, "loss": args.loss},
-                     plot=("curves.png", ["train_loss", "val_loss", "val_accuracy", "val_margin"]))
+                     plot=("curves.png", ["train_loss", "val_loss", "val_accuracy", "val_margin"]),
+                     flops_per_token=flops_per_token)
 
     # the monitors PPO and GRPO report, on the same held-out prompts and draws: what DPO did to the answers
     held_out = HeldOut(stage, stage.saved, ref, reward_model, read_val_prompts(args), tokenizer, args, context_length)

@@ -37,6 +37,7 @@ from plumbing.cli import (
     run,
     stage_parser,
 )
+from plumbing.flops import training_flops_per_token
 from plumbing.optimizers import make_optimizer
 from plumbing.rollouts import masked_mean, penalise_unfinished, response_logits, rollout, token_logprobs
 from plumbing.training import StageRun, make_accelerator
@@ -194,7 +195,9 @@ def main(argv=None):
                      plot=("curves.png", [("score", "val_score"), ("judge", "val_judge"), ("kl", "val_kl"),
                                           ("length", "val_length"), ("eos_share", "val_eos_share"),
                                           ("distinct_2", "val_distinct_2"), "flat_groups", "clip_fraction",
-                                          "train_loss"]))
+                                          "train_loss"]),
+                     # each sampled token trained on --grpo_epochs times (the sampling itself is not counted)
+                     flops_per_token=args.grpo_epochs * training_flops_per_token(unwrapped.cfg, context_length))
     held_out = online.held_out(stage, unwrapped)
     sft = held_out.before()  # step 0 of the val_* curves: the SFT policy before any update
 

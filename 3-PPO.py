@@ -55,6 +55,7 @@ from plumbing.cli import (
     stage_parser,
     unit_interval,
 )
+from plumbing.flops import training_flops_per_token
 from plumbing.judge import KL_LIMIT
 from plumbing.optimizers import make_optimizer
 from plumbing.rollouts import masked_mean, penalise_unfinished, rollout, token_logprobs
@@ -242,7 +243,11 @@ def main(argv=None):
     unwrapped = accelerator.unwrap_model(trained)
     stage = StageRun("ppo", args, accelerator, trained, optimizer, tokenizer, online.parent,
                      plot=("curves.png", CURVES), saved=unwrapped.policy, extra={"kl_coef": args.kl_coef},
-                     write_state=lambda d: save_model(unwrapped.critic, os.path.join(d, "critic.safetensors")))
+                     write_state=lambda d: save_model(unwrapped.critic, os.path.join(d, "critic.safetensors")),
+                     # policy and critic trained on each sampled token --ppo_epochs times (fewer when --target_kl
+                     # stops the epochs early: then this is an upper bound; the sampling itself is not counted)
+                     flops_per_token=args.ppo_epochs * (training_flops_per_token(critic.cfg, context_length, False)
+                                                        + training_flops_per_token(critic.cfg, context_length)))
     if args.resume:
         load_model(unwrapped.critic, os.path.join(args.output_dir, "state", "critic.safetensors"))
     kl_limit = args.target_kl or DEFAULT_TARGET_KL  # the flag's KL budget, also when beta is fixed

@@ -144,15 +144,55 @@ class GELU(nn.Module):
         return 0.5 * x * (1 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3))))
 
 
+# Products of at most this many rows (a decoding step's batch) take ``Linear``'s split path; more rows than this
+# run F.linear as one BLAS call (bench/README.md: "Decoding against the memory bound", measured at 1 to 64 rows).
+SPLIT_ROWS = 32
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` (y = x W^T + b, W of shape (out, in)), with one more path for decoding on a CPU.
+
+    A decoding step multiplies a handful of rows by every weight matrix, so its time is the time to read the
+    weights. One BLAS call for so few rows is a matrix-vector product, which MKL runs on a single thread on AMD
+    CPUs, 2-4x slower than the memory bound (bench/README.md). So at inference (autograd off) in float32 on the CPU,
+    with at most ``SPLIT_ROWS`` rows, the output features are cut into one block per thread and the blocks are
+    multiplied in one batched product (``torch.bmm``), which BLAS spreads over the threads. The blocks are views
+    of the weight: no copy, no extra memory. One row is computed as W x^T (the layout that reads fastest for a
+    single vector), several as x W^T. Training, autocast, bf16 weights and GPUs always run ``F.linear``; the two
+    paths agree up to float32 rounding.
+    """
+
+    def forward(self, x):  # (..., in) -> (..., out)
+        parts = torch.get_num_threads()
+        if (parts > 1 and self.out_features % parts == 0 and x.device.type == "cpu"
+                and x.dtype == self.weight.dtype == torch.float32 and not torch.is_grad_enabled()
+                and not torch.is_autocast_enabled("cpu") and x.numel() <= SPLIT_ROWS * self.in_features):
+            return self.split_forward(x, parts)
+        return F.linear(x, self.weight, self.bias)
+
+    def split_forward(self, x, parts: int):
+        """``F.linear(x, weight, bias)`` as ``parts`` blocks of output features in one ``torch.bmm``."""
+        rows = x.reshape(-1, self.in_features)  # (N, in)
+        blocks = self.weight.view(parts, -1, self.in_features)  # (P, out/P, in), a view
+        if rows.shape[0] == 1:
+            y = torch.bmm(blocks, rows.t().expand(parts, -1, -1)).view(1, -1)  # (P, out/P, 1) -> (1, out)
+        else:
+            y = torch.bmm(rows.expand(parts, -1, -1), blocks.transpose(1, 2))  # (P, N, out/P)
+            y = y.transpose(0, 1).reshape(rows.shape[0], -1)  # (N, out)
+        if self.bias is not None:
+            y = y + self.bias
+        return y.view(*x.shape[:-1], self.out_features)  # (..., out)
+
+
 class FeedForward(nn.Module):
     """Position-wise MLP: E -> 4E -> GELU -> E."""
 
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.layers = nn.Sequential(
-            nn.Linear(cfg.emb_dim, 4 * cfg.emb_dim),
+            Linear(cfg.emb_dim, 4 * cfg.emb_dim),
             GELU(),
-            nn.Linear(4 * cfg.emb_dim, cfg.emb_dim),
+            Linear(4 * cfg.emb_dim, cfg.emb_dim),
         )
 
     def forward(self, x):  # (B, T, E) -> (B, T, 4E) -> (B, T, E)
@@ -237,8 +277,9 @@ class KVCache:
         if end > self.max_len:
             raise ValueError(f"KV cache holds {self.max_len} positions; cannot add {keys.shape[2]} after {start}")
         if self.keys is None:  # under autocast the projections may be bf16: store what they produce
-            self.keys = torch.zeros(self.shape, device=keys.device, dtype=keys.dtype)
-            self.values = torch.zeros(self.shape, device=keys.device, dtype=keys.dtype)
+            # empty, not zeros: only filled positions are ever read, and zeroing a large cache costs page faults
+            self.keys = torch.empty(self.shape, device=keys.device, dtype=keys.dtype)
+            self.values = torch.empty(self.shape, device=keys.device, dtype=keys.dtype)
         self.keys[layer, :, :, start:end] = keys
         self.values[layer, :, :, start:end] = values
         return self.keys[layer, :, :, :end], self.values[layer, :, :, :end]
@@ -259,10 +300,10 @@ class MultiHeadAttention(nn.Module):
         self.d_out = cfg.emb_dim
         self.num_heads = cfg.n_heads
         self.head_dim = cfg.emb_dim // cfg.n_heads
-        self.W_query = nn.Linear(cfg.emb_dim, cfg.emb_dim, bias=cfg.qkv_bias)
-        self.W_key = nn.Linear(cfg.emb_dim, cfg.emb_dim, bias=cfg.qkv_bias)
-        self.W_value = nn.Linear(cfg.emb_dim, cfg.emb_dim, bias=cfg.qkv_bias)
-        self.out_proj = nn.Linear(cfg.emb_dim, cfg.emb_dim)
+        self.W_query = Linear(cfg.emb_dim, cfg.emb_dim, bias=cfg.qkv_bias)
+        self.W_key = Linear(cfg.emb_dim, cfg.emb_dim, bias=cfg.qkv_bias)
+        self.W_value = Linear(cfg.emb_dim, cfg.emb_dim, bias=cfg.qkv_bias)
+        self.out_proj = Linear(cfg.emb_dim, cfg.emb_dim)
         self.dropout = nn.Dropout(cfg.drop_rate)
         self.use_sdpa = cfg.attention == "sdpa"
         self.use_rope = cfg.position_embedding == "rope"
@@ -366,7 +407,7 @@ class GPTModel(nn.Module):
         self.drop_emb = nn.Dropout(cfg.drop_rate)
         self.trf_blocks = nn.ModuleList([TransformerBlock(cfg) for _ in range(cfg.n_layers)])
         self.final_norm = (RMSNorm if cfg.norm == "rmsnorm" else LayerNorm)(cfg.emb_dim, cfg.layer_norm_eps)
-        self.out_head = nn.Linear(cfg.emb_dim, cfg.vocab_size, bias=False)
+        self.out_head = Linear(cfg.emb_dim, cfg.vocab_size, bias=False)
         self.apply(self._init_weights)
         for name, p in self.named_parameters():
             if name.endswith("out_proj.weight") or name.endswith("layers.2.weight"):
@@ -459,7 +500,8 @@ def chunked_next_token_loss(hidden, weight, labels, chunk_rows: int | None = Non
         weight: (V, E) output head weight (``out_head.weight``).
         labels: (B, T) next-token ids, already shifted; -100 is ignored.
         chunk_rows: at most this many rows of logits at a time (default: about 8M logits, 32 MB in float32, per
-            chunk); the rows are split into equal chunks.
+            chunk on a CPU, where a chunk should stay in cache; 128M logits, 512 MB, on a GPU, where larger chunks
+            make larger matrix products and fewer kernel launches); the rows are split into equal chunks.
     Returns:
         the mean cross-entropy over the labels that are not -100, a float32 scalar (NaN if there are none, as
         ``F.cross_entropy`` gives).
@@ -479,7 +521,7 @@ def chunked_next_token_loss(hidden, weight, labels, chunk_rows: int | None = Non
                          f"give one label per input position, already shifted (-100 where nothing is predicted)")
     flat_hidden, flat_labels = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)  # (N, E), (N,)
     rows = (flat_labels != -100).nonzero().squeeze(1)  # (n,) the positions that count
-    chunk_rows = chunk_rows or max(1, (1 << 23) // weight.shape[0])
+    chunk_rows = chunk_rows or max(1, (1 << (27 if hidden.is_cuda else 23)) // weight.shape[0])
     if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
         return _ChunkedLinearCrossEntropy.apply(flat_hidden, weight, flat_labels, rows, chunk_rows)
     return _chunked_head_loss(flat_hidden, weight, flat_labels, rows, chunk_rows, with_grads=False)[0]

@@ -27,6 +27,7 @@ from accelerate import PartialState
 from chinese_tokenizer import decode
 from plumbing.checkpoint import CHAT_STAGES, load_backbone, load_checkpoint, parent_meta, read_config, weights_digest
 from plumbing.cli import UserError, default_path, fill_defaults, positive_int
+from plumbing.devices import forked_rng
 from plumbing.judge import KL_LIMIT, SentimentJudge, reward_hacking_flag, summarize
 from plumbing.records import read_prompt_files, read_tasks, shown_prompt
 from plumbing.report import markdown_table
@@ -105,7 +106,7 @@ def held_out_monitors(policy, ref, reward_model, judge, prompts, tokenizer, args
 
 def _measure_held_out(policy, ref, reward_model, judge, prompts, tokenizer, args, context_length, device, seed):
     flat = [p for p in prompts for _ in range(args.eval_samples)]
-    with torch.random.fork_rng(devices=[]):
+    with forked_rng(device):
         torch.manual_seed(seed)
         score = score_with(reward_model)
         batches = [rollout(policy, ref, None, score, flat[start:start + HELD_OUT_BATCH], tokenizer, args,

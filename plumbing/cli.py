@@ -168,6 +168,14 @@ def stage_parser(description: str, output_dir: str, defaults: dict, steps: str =
                    help="autocast precision of the matmuls: auto keeps what `accelerate launch` was given "
                         "(--mixed_precision or its config); under plain python it is bf16 where the hardware "
                         "computes bf16 natively (a GPU with bf16, a CPU with AVX512-BF16 or AMX), else no (fp32)")
+    p.add_argument("--compile", action="store_true",
+                   help="compile the model with torch.compile (Inductor), as `accelerate launch --dynamo_backend "
+                        "inductor` does: fused kernels for the norms, GELU and residuals at the cost of a compile "
+                        "at the start (and again when batch shapes change); measured in bench/README.md")
+    p.add_argument("--deterministic", action="store_true",
+                   help="deterministic GPU kernels (torch.use_deterministic_algorithms, CUBLAS_WORKSPACE_CONFIG="
+                        ":4096:8, attention through the math kernel), so that a --resume on a GPU repeats the run "
+                        "bit for bit; slower. A CPU run is deterministic without it")
     p.add_argument("--tokenizer", default=default_path("data", "tokenizer"), help="tokenizer directory")
     return p
 

@@ -5,6 +5,7 @@
 * ``pick_mixed_precision``: the ``--mixed_precision`` a stage runs with ("auto" follows ``accelerate launch``, else
   bf16 exactly where it is native).
 * ``pick_device``: ``--device`` of generate.py and serve.py (cuda when there is a GPU, else cpu).
+* ``forked_rng``: a block whose random draws leave the RNGs of the CPU and of the device as they were.
 """
 
 from __future__ import annotations
@@ -36,6 +37,15 @@ def pick_mixed_precision(choice: str) -> str:
     if choice != "auto":
         return choice
     return os.environ.get("ACCELERATE_MIXED_PRECISION") or ("bf16" if native_bf16() else "no")
+
+
+def forked_rng(device):
+    """``torch.random.fork_rng`` over the CPU's generator and, on a GPU, that device's own: sampling inside
+    (held-out answers, sample texts) must not move the RNG that training draws from, or a ``--resume`` would not
+    repeat the run. ``fork_rng(devices=[])`` alone forks the CPU's generator only, and on a GPU dropout and
+    sampling draw from the device's."""
+    device = torch.device(device)
+    return torch.random.fork_rng(devices=[device] if device.type == "cuda" else [])
 
 
 def pick_device(name: str | None) -> torch.device:

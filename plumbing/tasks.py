@@ -25,6 +25,7 @@ from chinese_tokenizer import EOS_ID, chat_prompt_ids, decode
 from gpt_model import generate
 from plumbing.batching import pad_left
 from plumbing.checkpoint import weights_digest
+from plumbing.devices import forked_rng
 from plumbing.judge import KL_LIMIT, mean_and_se
 from plumbing.report import markdown_table
 from plumbing.rollouts import (
@@ -93,7 +94,7 @@ def measure_tasks(policy, ref, tasks, tokenizer, samples: int, max_new_tokens: i
     key = (weights_digest(policy, ref), repr(tasks), samples, max_new_tokens, context_length, str(device), seed,
            verifier, str(autocast))
     if key not in _MEASURED:
-        with torch.random.fork_rng(devices=[]):
+        with forked_rng(device):
             torch.manual_seed(seed)
             _MEASURED[key] = _measure(policy, ref, tasks, tokenizer, samples, max_new_tokens, context_length, device,
                                       verifier, same=weights_digest(policy) == weights_digest(ref))

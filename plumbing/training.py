@@ -29,12 +29,15 @@ from plumbing import cli
 from plumbing.checkpoint import command_line, load_weights_into, save_checkpoint
 from plumbing.cli import UserError
 from plumbing.devices import pick_mixed_precision
+from plumbing.flops import device_name, format_utilisation, peak_flops, utilisation
 from plumbing.optimizers import lr_at, set_lr
 
 
 def make_accelerator(args):
     """An ``accelerate.Accelerator`` for this run, with every RNG seeded from ``args.seed``.
 
+    ``--deterministic`` turns on PyTorch's deterministic kernels (what a bit-identical ``--resume`` needs on a
+    GPU; on a CPU every run already is). ``--compile`` has ``prepare`` wrap the model in ``torch.compile``.
     Mixed precision, device and process count come from ``accelerate launch`` / ``accelerate config``. Several
     processes on a machine without a GPU (``accelerate launch --multi_gpu --num_processes 2`` or ``torchrun``)
     train on the CPU with the gloo backend. Gradient
@@ -44,10 +47,24 @@ def make_accelerator(args):
     from accelerate import Accelerator
     from accelerate.utils import set_seed
 
+    if args.deterministic:
+        # cuBLAS keeps one reduction order only with a fixed workspace (read when its first handle is made); the
+        # scatters and index writes take their deterministic kernels; an operation that has none warns (warn_only)
+        # instead of stopping the run. The fused attention kernels' backward stays non-deterministic under
+        # warn_only, so attention runs PyTorch's math kernel (slower, deterministic).
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.backends.cuda.enable_flash_sdp(False)
+        torch.backends.cuda.enable_mem_efficient_sdp(False)
+        torch.backends.cuda.enable_cudnn_sdp(False)
+
     # torchrun-style processes with no GPU: tell Accelerate to join them on the CPU instead of running N copies
     cpu = not torch.cuda.is_available() and int(os.environ.get("WORLD_SIZE", "1")) > 1
+    # --compile: accelerate.prepare wraps the model in torch.compile; without it `accelerate launch
+    # --dynamo_backend` still decides (None reads its setting)
     accelerator = Accelerator(cpu=cpu, gradient_accumulation_steps=args.gradient_accumulation_steps,
-                              mixed_precision=pick_mixed_precision(args.mixed_precision))
+                              mixed_precision=pick_mixed_precision(args.mixed_precision),
+                              dynamo_backend="inductor" if args.compile else None)
     set_seed(args.seed)
     cores = os.cpu_count() or 1
     launched = "ACCELERATE_MIXED_PRECISION" in os.environ  # set by `accelerate launch`
@@ -139,13 +156,20 @@ def load_training_state(state_dir: str, optimizer, accelerator) -> dict:
     if rng.shape[0] != accelerator.num_processes:
         raise UserError(f"{state_dir} was saved by {rng.shape[0]} process(es) but this run has "
                         f"{accelerator.num_processes}; resume with the same number of processes")
-    torch.set_rng_state(rng[accelerator.process_index].clone())
+    mine, cpu_size = rng[accelerator.process_index], torch.get_rng_state().numel()
+    torch.set_rng_state(mine[:cpu_size].clone())
+    if accelerator.device.type == "cuda" and mine.numel() > cpu_size:  # the GPU's generator, saved by a GPU run
+        torch.cuda.set_rng_state(mine[cpu_size:].clone(), accelerator.device)
     return saved["trainer"]
 
 
 def gather_rng_states(accelerator) -> torch.Tensor:
-    """Every process's torch RNG state, stacked: (num_processes, n) uint8. All processes must call it."""
-    state = torch.get_rng_state()[None]  # (1, n)
+    """Every process's torch RNG state, stacked: (num_processes, n) uint8, the CPU generator's state followed, on
+    a GPU, by the device generator's (dropout and sampling on a GPU draw from it). All processes must call it."""
+    state = torch.get_rng_state()  # (n_cpu,)
+    if accelerator.device.type == "cuda":
+        state = torch.cat([state, torch.cuda.get_rng_state(accelerator.device)])  # (n_cpu + n_cuda,)
+    state = state[None]  # (1, n)
     if accelerator.num_processes == 1:
         return state
     return accelerator.gather(state.to(accelerator.device)).cpu()
@@ -292,7 +316,9 @@ class StageRun:
     * ``end_step(loss, tokens)``: the loss averaged over processes and checked on every process alike, so a
       non-finite loss on one process stops them all with the same error instead of leaving the others waiting
       in the next collective; the step and token counters;
-    * ``log(row)``: one ``metrics.jsonl`` row with step, the learning rate, tokens_seen and seconds;
+    * ``log(row)``: one ``metrics.jsonl`` row with step, the learning rate, tokens_seen and seconds, and, given
+      ``flops_per_token``, the achieved FLOP/s since the last row (``flop_s``) and the MFU where the device's peak
+      is known (``flops.peak_flops``);
     * ``save(final)`` / ``finish(summary)``: the checkpoint (atomic, see ``checkpoint.save_checkpoint``) with
       metrics, the curves PNG, the stage's extra files and, unless final, ``state/``; the closing message.
 
@@ -308,13 +334,15 @@ class StageRun:
         plot: (file name, metric keys) of the curves PNG written with the final checkpoint.
         extra: JSON counters the stage updates and that resume restores (e.g. PPO's ``kl_coef``).
         write_state: an optional ``fn(state_dir)`` saving more resumable tensors (e.g. PPO's critic).
+        flops_per_token: the training FLOPs of one token (``flops.training_flops_per_token``), for the achieved
+            FLOP/s and MFU in the log, on the bar and in ``config.json``; None logs tokens/s alone.
     """
 
     def __init__(self, stage: str, args, accelerator, model, optimizer, tokenizer, meta: dict, plot, saved=None,
-                 extra: dict | None = None, write_state=None):
+                 extra: dict | None = None, write_state=None, flops_per_token: float | None = None):
         self.stage, self.args, self.accelerator = stage, args, accelerator
         self.model, self.optimizer, self.tokenizer = model, optimizer, tokenizer
-        self.saved = saved if saved is not None else accelerator.unwrap_model(model)
+        self.saved = saved if saved is not None else accelerator.unwrap_model(model, keep_torch_compile=False)
         self.meta, self.plot, self.extra, self.write_state = meta, plot, dict(extra or {}), write_state
         self.step, self.tokens_seen, self.metrics = 0, 0, MetricsLog()
         self.results = {}  # final metrics for config.json beside the latest val_* values
@@ -322,6 +350,7 @@ class StageRun:
         self.exit_code = None  # set when Ctrl-C/SIGTERM ended the loop
         self.lr = None  # the learning rate of the current step, set by steps()
         self.bad_gradient = None  # the non-finite gradient norm of a step that backward() did not apply
+        self.flops_per_token, self.peak_flops = flops_per_token, peak_flops(accelerator.device)
         self.started = time.time()
         self._bar, self._tokens_at, self._time_at = None, 0, time.perf_counter()
         if args.resume:
@@ -424,17 +453,20 @@ class StageRun:
         return loss
 
     def log(self, row: dict, show=()) -> dict:
-        """Add a metrics row for the current step (``step``, ``lr``, ``tokens_seen`` and ``time_s`` are filled in) and
-        show the keys ``show`` and the tokens per second since the last row on the bar."""
+        """Add a metrics row for the current step (``step``, ``lr``, ``tokens_seen`` and ``time_s`` are filled in, and
+        ``flop_s`` / ``mfu`` over the time since the last row when the stage gave ``flops_per_token``) and show the
+        keys ``show``, the tokens per second and the FLOP/s (MFU) since the last row on the bar."""
         lr = {"lr": self.lr} if self.lr is not None and self.step > 0 else {}
+        now = time.perf_counter()
+        rate = (self.tokens_seen - self._tokens_at) / max(now - self._time_at, 1e-9)
+        speed = utilisation(self.flops_per_token, rate, self.peak_flops) if self.flops_per_token and rate else {}
         row = self.metrics.add(step=self.step, **row, **lr, tokens_seen=self.tokens_seen,
-                               time_s=round(time.time() - self.started, 1))
+                               time_s=round(time.time() - self.started, 1), **speed)
         if self._bar is not None and self.step > 0:
-            now = time.perf_counter()
-            rate = (self.tokens_seen - self._tokens_at) / max(now - self._time_at, 1e-9)
             self._tokens_at, self._time_at = self.tokens_seen, now
             postfix = {k: (f"{row[k]:.3g}" if isinstance(row[k], float) else row[k]) for k in show if k in row}
-            self._bar.set_postfix(**postfix, **({"tok_s": f"{rate:.0f}"} if rate else {}))
+            self._bar.set_postfix(**postfix, **({"tok_s": f"{rate:.0f}"} if rate else {}),
+                                  **({"flop_s": format_utilisation(speed)} if speed else {}))
         return row
 
     def print(self, message: str) -> None:
@@ -459,7 +491,9 @@ class StageRun:
                 files[name] = lambda path: self.metrics.plot(path, self.stage, keys)
             counters = {"step": self.step, "tokens_seen": self.tokens_seen, **self.extra}
             meta = {"stage": self.stage, **self.meta, **counters, "mixed_precision": self.accelerator.mixed_precision,
-                    "metrics": {**self.latest_val(), **self.results}, "command": command_line()}
+                    "device": device_name(self.accelerator.device), "flops_per_token": self.flops_per_token,
+                    "peak_flops": self.peak_flops, "metrics": {**self.latest_val(), **self.results},
+                    "command": command_line()}
 
             def write_state(state_dir):
                 save_training_state(state_dir, self.optimizer, {**counters, "settings": run_settings(self.args)}, rng)
@@ -490,6 +524,11 @@ class StageRun:
             return 0
         self.save(final=True)
         cli.interrupt_hint = None  # nothing is left to resume
+        seconds = time.time() - self.started
+        speed = ""
+        if self.flops_per_token and self.tokens_seen:  # over the whole stage, evaluations included
+            speed = format_utilisation(utilisation(self.flops_per_token, self.tokens_seen / seconds,
+                                                   self.peak_flops)) + ", "
         self.accelerator.print(f"saved {self.args.output_dir} (step {self.step}, {self.tokens_seen:,} tokens, "
-                               f"{summary + ', ' if summary else ''}{time.time() - self.started:.0f} s)")
+                               f"{speed}{summary + ', ' if summary else ''}{seconds:.0f} s)")
         return 0

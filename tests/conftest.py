@@ -1,5 +1,5 @@
-"""Shared pytest setup: the repository root on ``sys.path``, the ``slow`` marker, a ``tokenizer`` fixture and
-``quiet_single_thread`` for modules of tiny models compared with transformers."""
+"""Shared pytest setup: the repository root on ``sys.path``, the ``slow`` and ``cuda`` markers, a ``tokenizer``
+fixture and ``quiet_single_thread`` for modules of tiny models compared with transformers."""
 
 import os
 import subprocess
@@ -20,6 +20,7 @@ os.environ["ACCELERATE_MIXED_PRECISION"] = "no"
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: takes more than ~10 s; still run by CI")
+    config.addinivalue_line("markers", "cuda: needs a CUDA GPU; skipped, with the reason, where there is none")
 
 
 @pytest.fixture(scope="module")
