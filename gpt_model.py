@@ -14,6 +14,7 @@ embeddings (Su et al. 2021, "RoFormer") instead of the learned position table.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import asdict, dataclass, replace
 
@@ -163,11 +164,13 @@ class Linear(nn.Linear):
     """
 
     def forward(self, x):  # (..., in) -> (..., out)
-        parts = torch.get_num_threads()
-        if (parts > 1 and self.out_features % parts == 0 and x.device.type == "cpu"
-                and x.dtype == self.weight.dtype == torch.float32 and not torch.is_grad_enabled()
-                and not torch.is_autocast_enabled("cpu") and x.numel() <= SPLIT_ROWS * self.in_features):
-            return self.split_forward(x, parts)
+        # the checks that training and compiled code fail come first: torch.compile must not see the thread count
+        if (not torch.is_grad_enabled() and x.device.type == "cpu" and not torch.compiler.is_compiling()
+                and x.dtype == self.weight.dtype == torch.float32 and not torch.is_autocast_enabled("cpu")
+                and x.numel() <= SPLIT_ROWS * self.in_features):
+            parts = torch.get_num_threads()
+            if parts > 1 and self.out_features % parts == 0:
+                return self.split_forward(x, parts)
         return F.linear(x, self.weight, self.bias)
 
     def split_forward(self, x, parts: int):
@@ -539,22 +542,30 @@ def _chunked_head_loss(flat_hidden, weight, flat_labels, rows, chunk_rows, with_
     grad_weight = torch.zeros(weight.shape, dtype=sum_dtype, device=weight.device) if with_grads else None
     num_chunks = -(-count // chunk_rows)
     chunk_rows = max(1, -(-count // max(num_chunks, 1)))  # equal chunks: a small last one would waste a pass over w
+    fused = fused_softmax_cross_entropy() if flat_hidden.is_cuda else None
+    scale = torch.tensor(1.0 / max(count, 1), device=flat_hidden.device) if with_grads else None
     with torch.autocast(device, enabled=False):
         w = weight.to(dtype)  # (V, E) one cast for all chunks
         for start in range(0, count, chunk_rows):
             at = rows[start:start + chunk_rows]  # (c,)
             h = flat_hidden[at].to(dtype)  # (c, E)
             y = flat_labels[at][:, None]  # (c, 1)
-            logits = (h @ w.t()).float()  # (c, V)
-            picked = logits.gather(1, y)  # (c, 1)
-            peak = logits.amax(dim=1, keepdim=True)  # (c, 1)
-            probs = logits.sub_(peak).exp_()  # (c, V) unnormalised softmax, in place of the logits
-            norm = probs.sum(dim=1, keepdim=True)  # (c, 1)
-            total += (peak + norm.log() - picked).sum()  # log-sum-exp minus the label's logit
+            logits = h @ w.t()  # (c, V) in the matmul dtype
+            if fused is not None:  # a GPU: two passes over the logits in fused kernels instead of eight
+                loss, grad = fused(logits, y, scale)  # grad: d mean / d logits, (c, V) in dtype
+                total += loss
+            else:  # the CPU: the same steps, in place on one float32 chunk that stays in cache
+                logits = logits.float()  # (c, V)
+                picked = logits.gather(1, y)  # (c, 1)
+                peak = logits.amax(dim=1, keepdim=True)  # (c, 1)
+                probs = logits.sub_(peak).exp_()  # (c, V) unnormalised softmax, in place of the logits
+                norm = probs.sum(dim=1, keepdim=True)  # (c, 1)
+                total += (peak + norm.log() - picked).sum()  # log-sum-exp minus the label's logit
+                if with_grads:
+                    # d mean / d logits = (softmax - one_hot) / count
+                    probs.mul_(1.0 / (norm * count)).scatter_add_(1, y, torch.full_like(probs[:, :1], -1.0 / count))
+                    grad = probs.to(dtype)  # (c, V)
             if with_grads:
-                # d mean / d logits = (softmax - one_hot) / count
-                probs.mul_(1.0 / (norm * count)).scatter_add_(1, y, torch.full_like(probs[:, :1], -1.0 / count))
-                grad = probs.to(dtype)  # (c, V)
                 grad_hidden[at] = (grad @ w).to(grad_hidden.dtype)  # (c, E)
                 if dtype == sum_dtype:
                     grad_weight.addmm_(grad.t(), h)  # (V, E)
@@ -562,6 +573,36 @@ def _chunked_head_loss(flat_hidden, weight, flat_labels, rows, chunk_rows, with_
                     grad_weight += grad.t() @ h  # (V, E) each chunk's bf16 product summed in float32
     mean = total / count if count else total * float("nan")
     return mean, grad_hidden, grad_weight
+
+
+def softmax_cross_entropy(logits, labels, scale=None):
+    """The sum over rows of the cross-entropy of ``logits`` (c, V) against ``labels`` (c, 1), in float32; with
+    ``scale`` (a 0-d tensor) also ``scale * (softmax - one_hot)``, the gradient of ``scale * sum`` with respect to
+    the logits, (c, V) in the logits' dtype (else None).
+
+    Written to be compiled (``fused_softmax_cross_entropy``): Inductor turns it into one kernel that reads the
+    logits once for each row's maximum and sum of exponentials, and one that reads them again and writes the
+    gradient, where the eager operations make eight passes over a float32 copy.
+    """
+    x = logits.float()  # (c, V)
+    peak = x.amax(dim=1, keepdim=True)  # (c, 1)
+    norm = (x - peak).exp().sum(dim=1, keepdim=True)  # (c, 1)
+    loss = (peak + norm.log() - x.gather(1, labels)).sum()  # log-sum-exp minus the label's logit
+    if scale is None:
+        return loss, None
+    hit = torch.arange(x.shape[1], device=x.device) == labels  # (c, V) the labels' one-hot
+    grad = ((x - peak).exp() / norm - hit.float()) * scale  # (c, V)
+    return loss, grad.to(logits.dtype)
+
+
+@functools.cache
+def fused_softmax_cross_entropy():
+    """``softmax_cross_entropy`` compiled by ``torch.compile`` (once per process, for any number of rows), where
+    Triton can build GPU kernels; else the function itself. Used by ``chunked_next_token_loss`` on a GPU, where the
+    passes over (c, V) logits, not the matrix products, were its cost (bench/README.md)."""
+    from torch.utils._triton import has_triton
+
+    return torch.compile(softmax_cross_entropy, dynamic=True) if has_triton() else softmax_cross_entropy
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):

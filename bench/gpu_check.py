@@ -6,7 +6,8 @@
 In order, each step timed, a failing step recorded in the table instead of stopping the others:
   1. the machine: GPU, its dense bf16 peak (``plumbing/flops.py``), versions; the device's read bandwidth and the
      rate of a large bf16 matrix product, measured (the ceilings the figures below are read against);
-  2. pretraining ``gpt2-zh-small`` in bf16: the largest micro-batch of a ladder that fits, then ``0-PRETRAIN.py`` as
+  2. pretraining ``gpt2-zh-small`` in bf16: the largest micro-batch of a ladder that fits, where one step's time
+     goes (``step_breakdown``), then ``0-PRETRAIN.py`` as
      a user runs it (``accelerate launch --mixed_precision bf16``), with ``--compile`` off and on: tokens/s, FLOP/s
      and MFU (6N + 12·L·H·Q·T per token, the median over the steps after the first five), compile seconds;
   3. decoding at batch 1 and 64 (bf16 and fp32 weights) against the memory-bandwidth bound;
@@ -40,17 +41,18 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_decode import kv_bytes_per_step, weight_bytes_per_step  # noqa: E402 (the repository on the path first)
 
-from gpt_model import GPTModel, generate, get_preset  # noqa: E402
+from gpt_model import GPTModel, chunked_next_token_loss, generate, get_preset  # noqa: E402
 from plumbing.flops import device_name, format_utilisation, peak_flops, training_flops_per_token  # noqa: E402
 from plumbing.optimizers import make_optimizer  # noqa: E402
 
 # The sizes of a real check and of the dry run (the same steps, small enough for 2 CPU cores).
 SIZES = {
-    "gpu": dict(preset="gpt2-zh-small", ladder=(64, 128, 256, 512), steps=30, skip=5, pipeline="demo",
+    "gpu": dict(preset="gpt2-zh-small", ladder=(64, 128, 256, 512, 1024), steps=30, skip=5, pipeline="demo",
                 decode_presets=("demo", "gpt2-zh-small"), decode_batches=(1, 64), matmul=8192, buffer=2 << 30),
     "dry": dict(preset="tiny", ladder=(2, 4), steps=8, skip=2, pipeline="tiny", decode_presets=("tiny",),
                 decode_batches=(1, 4), matmul=512, buffer=64 << 20),
 }
+SECTIONS = ("pretrain", "decode", "pipeline", "tests")
 CODE = ("0-PRETRAIN.py", "1-SFT.py", "2-RM.py", "3-PPO.py", "3-DPO.py", "3-GRPO.py", "pipeline.py", "generate.py",
         "load_weight.py", "chinese_tokenizer.py", "gpt_model.py", "plumbing")
 
@@ -60,7 +62,7 @@ class Check:
 
     def __init__(self, out: str, budget_s: float):
         self.out, self.deadline, self.started = out, time.time() + budget_s, time.time()
-        self.rows, self.results = [], {}
+        self.rows, self.results, self.tests_filter = [], {}, None
         os.makedirs(out, exist_ok=True)
         self.log_path = os.path.join(out, "log.txt")
         open(self.log_path, "w").close()
@@ -230,16 +232,60 @@ def pretrain_throughput(check: Check, device, size, compiled: bool) -> list:
              f"first step {first:.1f} s (compilation included); whole run {wall:.0f} s for {size['steps']} steps")]
 
 
+def step_breakdown(check: Check, device, size) -> list:
+    """Where one training step's time goes, at the largest micro-batch, timed in this process (median of 3 after a
+    warm-up): the forward pass through the blocks, the head with the loss (``chunked_next_token_loss`` also makes
+    the head's gradients), the backward pass, and clipping + the fused AdamW step. Their sum against the stage's
+    own step time leaves what the loop adds around them (the batch, the synchronisations, the log)."""
+    cfg = get_preset(size["preset"])
+    batch = check.results["micro_batch"]["largest"]
+    model = GPTModel(cfg).to(device).train()
+    optimizer = make_optimizer(model, 1e-4, 0.1, "adamw")
+    ids = torch.randint(0, cfg.vocab_size, (batch, cfg.context_length), device=device)
+    parts = {"blocks forward": [], "head + loss (and its gradients)": [], "backward": [], "clip + AdamW": []}
+    for _ in range(4):
+        marks = []
+
+        def mark():
+            synchronize(device)
+            marks.append(time.perf_counter())
+
+        mark()
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            hidden, _ = model.hidden_states(ids)
+            mark()
+            loss = chunked_next_token_loss(hidden, model.out_head.weight, ids)
+        mark()
+        loss.backward()
+        mark()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        mark()
+        for key, a, b in zip(parts, marks, marks[1:]):
+            parts[key].append(b - a)
+    del model, optimizer, ids, hidden, loss
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    times = {k: statistics.median(v[1:]) for k, v in parts.items()}
+    check.results["step_breakdown"] = {"batch": batch, **times}
+    total = sum(times.values())
+    text = ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in times.items())
+    return [(f"one eager step of {size['preset']}, micro-batch {batch}", f"{text}; sum {total * 1e3:.0f} ms")]
+
+
 # --- 3. the CUDA tests -----------------------------------------------------------------------------------------------
 
 def cuda_tests(check: Check, device, size) -> list:
+    chosen = ["-k", check.tests_filter] if check.tests_filter else []
     code, output = run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-m", "cuda",
-                        "tests/test_cuda.py"], check, "pytest -m cuda", check.left() - 20)
+                        *chosen, "tests/test_cuda.py"], check, "pytest -m cuda", check.left() - 20)
     summary = next((line.strip("= ") for line in reversed(output.splitlines()) if " in " in line and (
         "passed" in line or "failed" in line or "skipped" in line or "error" in line)), f"no summary (exit {code})")
     failed = [line for line in output.splitlines() if line.startswith(("FAILED", "ERROR"))]
     check.results["cuda_tests"] = {"exit": code, "summary": summary, "failed": failed}
-    return [("CUDA tests (`pytest -m cuda tests/test_cuda.py`)",
+    return [(f"CUDA tests (`pytest -m cuda{' -k ' + repr(check.tests_filter) if chosen else ''} tests/test_cuda.py`)",
              summary + ("; " + "; ".join(f[:150] for f in failed) if failed else ""))]
 
 
@@ -334,6 +380,9 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=os.path.join(ROOT, "reports", "gpu_check"), help="folder for the results")
     p.add_argument("--budget_s", type=float, default=530.0,
                    help="seconds the whole check may take; a step that would run past it is cut short and says so")
+    p.add_argument("--sections", nargs="+", default=list(SECTIONS), choices=list(SECTIONS),
+                   help="run only these steps (the device row always runs)")
+    p.add_argument("--tests_filter", help="pytest -k expression for the CUDA tests (default: all of them)")
     args = p.parse_args(argv)
     if not args.dry_run and not torch.cuda.is_available():
         print("error: no CUDA device here; run with --dry_run to try the steps on the CPU", file=sys.stderr)
@@ -341,17 +390,23 @@ def main(argv=None) -> int:
     device = torch.device("cpu" if args.dry_run else "cuda")
     size = SIZES["dry" if args.dry_run else "gpu"]
     check = Check(args.out, args.budget_s)
+    check.tests_filter = args.tests_filter
     check.step("device", machine, check, device, size)
-    check.step("micro-batch", largest_batch, check, device, size)
-    for compiled in (False, True):
-        check.step(f"pretrain compile={compiled}", pretrain_throughput, check, device, size, compiled)
-    check.step("decode", decode, check, device, size)
-    if not os.path.isfile(os.path.join(ROOT, "data", "MANIFEST.json")):
-        check.rows.append(("pipeline", "**not run**: data/ is not built (python data/prepare.py)", ""))
-        background = None
-    else:
-        background = Pipeline(check, size)
-    check.step("CUDA tests", cuda_tests, check, device, size)
+    if "pretrain" in args.sections:
+        check.step("micro-batch", largest_batch, check, device, size)
+        check.step("step breakdown", step_breakdown, check, device, size)
+        for compiled in (False, True):
+            check.step(f"pretrain compile={compiled}", pretrain_throughput, check, device, size, compiled)
+    if "decode" in args.sections:
+        check.step("decode", decode, check, device, size)
+    background = None
+    if "pipeline" in args.sections:
+        if not os.path.isfile(os.path.join(ROOT, "data", "MANIFEST.json")):
+            check.rows.append(("pipeline", "**not run**: data/ is not built (python data/prepare.py)", ""))
+        else:
+            background = Pipeline(check, size)
+    if "tests" in args.sections:
+        check.step("CUDA tests", cuda_tests, check, device, size)
     if background is not None:
         check.step("pipeline", background.finish)
     check.rows.append(("whole check", "", f"{time.time() - check.started:.0f}"))

@@ -2,7 +2,7 @@
 
 * ``training_flops_per_token``: the matrix FLOPs of one forward and backward pass per token, 6N + 12·L·H·Q·T, the
   count of the PaLM paper's appendix B (Chowdhery et al. 2022) that nanoGPT's ``estimate_mfu`` uses;
-* ``BF16_PEAK_FLOPS`` and ``peak_flops``: the dense bf16 peak of the GPUs whose datasheets we know;
+* ``BF16_PEAK_FLOPS``, ``bf16_peak`` and ``peak_flops``: the dense bf16 peak of the GPUs whose datasheets we know;
 * ``utilisation``: achieved FLOP/s and, where the peak is known, the model-FLOPs utilisation (MFU), achieved / peak.
 
 A CPU has no entry in the table: its figure is printed without a percentage (its peak depends on the cores, the
@@ -11,6 +11,8 @@ clock and which vector units the kernels use, none of which torch reports).
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 from gpt_model import GPTConfig
@@ -18,7 +20,8 @@ from gpt_model import GPTConfig
 # Dense (no sparsity) bf16 tensor-core peaks in FLOP/s, from NVIDIA's datasheets: A100 (SXM4 and PCIe) 312 TFLOPS;
 # H100 SXM5 989.4 (1,979 with sparsity), H100 PCIe 756, H100 NVL 835; H200 SXM 989.4 (the H100's tensor cores),
 # H200 NVL 835; L4 121 (242 with sparsity); GeForce RTX 4090 165.2 with FP32 accumulate (Ada Lovelace whitepaper,
-# 330.4 with sparsity). Matched in this order against torch.cuda.get_device_name(): the longer names first.
+# 330.4 with sparsity). Matched in this order, as whole words, against torch.cuda.get_device_name(): the longer
+# names first ("H100 PCIe" before "H100"), and "L4" is not "L40S".
 BF16_PEAK_FLOPS = (
     ("H100 PCIe", 756e12),
     ("H100 NVL", 835e12),
@@ -65,12 +68,14 @@ def device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
+def bf16_peak(name: str) -> float | None:
+    """The dense bf16 peak (FLOP/s) of the GPU called ``name`` in ``BF16_PEAK_FLOPS``, or None if unlisted."""
+    return next((peak for key, peak in BF16_PEAK_FLOPS if re.search(rf"\b{re.escape(key)}\b", name)), None)
+
+
 def peak_flops(device: torch.device) -> float | None:
-    """The dense bf16 peak (FLOP/s) of ``device`` from ``BF16_PEAK_FLOPS``, or None (a CPU, an unlisted GPU)."""
-    if device.type != "cuda":
-        return None
-    name = device_name(device)
-    return next((peak for key, peak in BF16_PEAK_FLOPS if key in name), None)
+    """The dense bf16 peak (FLOP/s) of ``device`` (``bf16_peak`` of its name), or None (a CPU, an unlisted GPU)."""
+    return bf16_peak(device_name(device)) if device.type == "cuda" else None
 
 
 def utilisation(flops_per_token: float, tokens_per_second: float, peak: float | None) -> dict:

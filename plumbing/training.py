@@ -205,6 +205,8 @@ class StopSignal:
 
     def requested(self, accelerator) -> bool:
         """True on every process as soon as any process got a signal (all processes must call it each step)."""
+        if accelerator.num_processes == 1:  # nothing to agree on: no tensor, so no wait for the GPU
+            return self.signum is not None
         flag = torch.tensor([1.0 if self.signum is not None else 0.0], device=accelerator.device)
         if accelerator.num_processes > 1:
             flag = accelerator.reduce(flag, reduction="sum")
@@ -350,7 +352,9 @@ class StageRun:
         self.exit_code = None  # set when Ctrl-C/SIGTERM ended the loop
         self.lr = None  # the learning rate of the current step, set by steps()
         self.bad_gradient = None  # the non-finite gradient norm of a step that backward() did not apply
-        self.flops_per_token, self.peak_flops = flops_per_token, peak_flops(accelerator.device)
+        # tokens are counted over all processes, so the peak they are measured against is that of all their devices
+        peak = peak_flops(accelerator.device)
+        self.flops_per_token, self.peak_flops = flops_per_token, peak and peak * accelerator.num_processes
         self.started = time.time()
         self._bar, self._tokens_at, self._time_at = None, 0, time.perf_counter()
         if args.resume:
@@ -436,10 +440,10 @@ class StageRun:
             UserError: on every process alike, when the loss is not finite on any of them, or when ``backward``
                 skipped a step whose gradient was not finite.
         """
-        values = torch.tensor([loss, float(tokens)], dtype=torch.float64, device=self.accelerator.device)
         if self.accelerator.num_processes > 1:
+            values = torch.tensor([loss, float(tokens)], dtype=torch.float64, device=self.accelerator.device)
             values = self.accelerator.reduce(values, reduction="sum")  # NaN or inf anywhere makes the sum non-finite
-        loss, tokens = values[0].item() / self.accelerator.num_processes, int(values[1].item())
+            loss, tokens = values[0].item() / self.accelerator.num_processes, int(values[1].item())
         if not math.isfinite(loss):
             raise UserError(f"the training loss became {loss} at step {self.step + 1}; the last good checkpoint "
                             f"(if any) is in {self.args.output_dir}; lower --learning_rate and start again")
