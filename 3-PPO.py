@@ -244,8 +244,8 @@ def main(argv=None):
     stage = StageRun("ppo", args, accelerator, trained, optimizer, tokenizer, online.parent,
                      plot=("curves.png", CURVES), saved=unwrapped.policy, extra={"kl_coef": args.kl_coef},
                      write_state=lambda d: save_model(unwrapped.critic, os.path.join(d, "critic.safetensors")),
-                     # policy and critic trained on each sampled token --ppo_epochs times (fewer when --target_kl
-                     # stops the epochs early: then this is an upper bound; the sampling itself is not counted)
+                     # policy and critic trained on each sampled token --ppo_epochs times (fewer when --max_approx_kl
+                     # stops them early: then this is an upper bound; the sampling itself is not counted)
                      flops_per_token=args.ppo_epochs * (training_flops_per_token(critic.cfg, context_length, False)
                                                         + training_flops_per_token(critic.cfg, context_length)))
     if args.resume:

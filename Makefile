@@ -39,11 +39,11 @@ pipeline: venv
 
 test: venv
 	$(PY) data/prepare.py --tokenizer-only
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -rs tests
 
 quick: venv
 	$(PY) data/prepare.py --tokenizer-only
-	$(PY) -m pytest -q -m "not slow" tests
+	$(PY) -m pytest -q -rs -m "not slow" tests
 
 lint: venv
 	$(PY) -m ruff check .

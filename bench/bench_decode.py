@@ -15,6 +15,7 @@ and the step time at new token 900 over the step time at new token 10 (context 1
     python bench/bench_decode.py                          # demo and gpt2-zh-small, fp32 and bf16, batch 1 and 8
     python bench/bench_decode.py --presets demo --batches 1
     python bench/bench_decode.py --presets demo --batches 1 --ops  # also what each operation of a step costs
+    python bench/bench_decode.py --split_vs_linear --batches 1 8 32 64 128   # gpt_model.Linear's split path on/off
 
 The figures go in bench/README.md ("Decoding against the memory bound").
 """
@@ -177,6 +178,28 @@ def print_operation_costs(preset: str, dtype: str, model: GPTModel, bandwidth: f
           f"{sum(n * t for _, n, t, _ in rows) * 1e3:.2f} ms per step\n")
 
 
+def split_vs_linear(preset: str, batches, new_tokens: int, rounds: int) -> None:
+    """Decode steps (fp32) with ``gpt_model.Linear``'s split path and with plain ``F.linear`` (``SPLIT_ROWS`` 0),
+    alternating within each round so that both see the same machine; medians over the rounds' steps."""
+    import gpt_model
+
+    model, default = build(preset, "fp32"), gpt_model.SPLIT_ROWS
+    for batch in batches:
+        times = {0: [], default: []}
+        try:
+            for r in range(rounds):
+                for rows in (0, default):
+                    gpt_model.SPLIT_ROWS = rows
+                    step_times(model, batch, 4)
+                    times[rows] += step_times(model, batch, new_tokens, seed=r)[2:]
+        finally:
+            gpt_model.SPLIT_ROWS = default
+        plain, split = statistics.median(times[0]), statistics.median(times[default])
+        path = "split" if batch <= default else f"F.linear (more than SPLIT_ROWS = {default} rows)"
+        print(f"| {preset} | {batch} | {plain * 1e3:.2f} | {split * 1e3:.2f} | {plain / split:.2f} | {path} |",
+              flush=True)
+
+
 def build(preset: str, dtype: str, context_length: int | None = None) -> GPTModel:
     cfg = get_preset(preset).replace(drop_rate=0.0)
     if context_length:
@@ -198,8 +221,17 @@ def main():
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--ops", action="store_true",
                    help="also time each operation of a batch-1 step alone (where the step's time goes)")
+    p.add_argument("--split_vs_linear", action="store_true",
+                   help="only compare fp32 decode steps with gpt_model.Linear's split path and with F.linear")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
+    if args.split_vs_linear:
+        print(f"CPU: {cpu_name()}; torch {torch.__version__}, {torch.get_num_threads()} threads\n")
+        print("| preset | batch | F.linear (ms) | split (ms) | speed-up | path taken |")
+        print("|---|---|---|---|---|---|")
+        for preset in args.presets:
+            split_vs_linear(preset, args.batches, args.new_tokens, args.rounds)
+        return
 
     print(f"CPU: {cpu_name()}; torch {torch.__version__}, {torch.get_num_threads()} threads")
     dram = read_bandwidth(1 << 30, repeats=3)

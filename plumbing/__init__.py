@@ -9,8 +9,9 @@ Command line and files:   cli (user errors, shared flags), checkpoint (the hand-
 Data:                     records (reading and checking data files), documents (pretraining text streams),
                           token_cache (tokenized once to disk, packed into blocks), batching (padding, chat
                           examples, the data order)
-Training:                 devices (precision and device), optimizers (AdamW, Muon, the schedule),
-                          training (StageRun and the loop's pieces)
+Training:                 devices (precision, device, the RNG around sampling), flops (training FLOPs per token,
+                          GPU peaks, MFU), optimizers (AdamW, Muon, the schedule), training (StageRun and the
+                          loop's pieces)
 Alignment and judging:    rollouts (sampling answers, their log-probs), reward (scoring with an RM, the pair-accuracy
                           rule), alignment (the aligners' rewards, set-up and held-out monitors), judge (the
                           independent judge and the monitors), baselines (counting)

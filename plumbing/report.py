@@ -22,6 +22,7 @@ import shutil
 from chinese_tokenizer import encode, load_tokenizer
 from gpt_model import GPTConfig
 from plumbing.cli import UserError, default_path
+from plumbing.flops import format_utilisation, utilisation
 from plumbing.hf_weights import CLASSES, architecture_for
 from plumbing.judge import distinct_n, longest_repeat, reward_hacking_flag
 
@@ -154,40 +155,55 @@ def aligned_summary(stage: str, metrics: dict, fmt, first_row: dict | None = Non
             f"{fmt(sft.get('judge'))} → {fmt(aligned.get('judge'))}, KL {fmt(metrics.get('kl'), '.2f')} nats/response")
 
 
+def achieved_flops(config: dict, rows) -> str:
+    """The table's FLOP/s cell: the stage's training FLOPs per token (``config["flops_per_token"]``) times its
+    tokens/s over the whole stage, with the MFU where the device's peak is known; "—" for a stage that did not
+    record them (an older checkpoint)."""
+    rate, per_token = tokens_per_second(rows), config.get("flops_per_token")
+    if not rate or not per_token:
+        return "—"
+    return format_utilisation(utilisation(per_token, rate, config.get("peak_flops")))
+
+
 def stage_table(preset: str, launch: str, times: dict, records: dict, baselines: dict) -> list[str]:
-    """Markdown lines: one row per step of the pipeline (wall time, training tokens/s, final metrics beside the
-    counting baseline each one bounds), then the precision line. ``records``: ``read_records``."""
+    """Markdown lines: one row per step of the pipeline (wall time, training tokens/s and FLOP/s (MFU), final
+    metrics beside the counting baseline each one bounds), then the precision and device line. ``records``:
+    ``read_records``."""
     m, b = {stage: r["metrics"] for stage, r in records.items()}, baselines
 
-    def speed(stage):
-        return fmt(tokens_per_second(records[stage]["rows"]), ",.0f")
+    def speed(stage):  # the tokens/s and FLOP/s (MFU) cells
+        record = records[stage]
+        return fmt(tokens_per_second(record["rows"]), ",.0f"), achieved_flops(record["config"], record["rows"])
 
-    rows = [("data/prepare.py", f"{times['data']:.0f} s", "—",
+    rows = [("data/prepare.py", f"{times['data']:.0f} s", "—", "—",
              f"{'already built; ' if times['data'] < 1 else ''}see data/MANIFEST.json"),
-            ("counting baselines", f"{times.get('baselines', 0):.0f} s", "—",
+            ("counting baselines", f"{times.get('baselines', 0):.0f} s", "—", "—",
              "token bigram, response bigram and naive Bayes (`baselines.py`), fitted on the train splits; each is "
              "shown beside the figure it bounds, and explained under the table"),
-            ("0-PRETRAIN", f"{times['pretrain']:.0f} s", speed("pretrain"),
+            ("0-PRETRAIN", f"{times['pretrain']:.0f} s", *speed("pretrain"),
              f"val loss {fmt(m['pretrain'].get('val_loss'))} (counting baseline: token bigram "
              f"{fmt(b.get('bigram_val_loss'))}), perplexity {fmt(m['pretrain'].get('val_perplexity'), '.1f')}"),
-            ("1-SFT", f"{times['sft']:.0f} s", speed("sft"),
+            ("1-SFT", f"{times['sft']:.0f} s", *speed("sft"),
              f"val response loss {fmt(m['sft'].get('val_loss'))} (pretrained model: "
              f"{fmt(m['sft'].get('val_loss_before_sft'))}; counting baseline: response bigram "
              f"{fmt(b.get('response_bigram_val_loss'))})"),
-            ("2-RM", f"{times['rm']:.0f} s", speed("rm"),
+            ("2-RM", f"{times['rm']:.0f} s", *speed("rm"),
              f"test accuracy {fmt(m['rm'].get('test_accuracy'))} (counting baseline: naive Bayes "
              f"{fmt(b.get('naive_bayes_test_accuracy'))}), test margin {fmt(m['rm'].get('test_margin'))}"),
-            *[(f"3-{stage.upper()}", f"{times[stage]:.0f} s", "—",
+            *[(f"3-{stage.upper()}", f"{times[stage]:.0f} s", "—", "—",
                aligned_summary(stage, m[stage], fmt, (records[stage]["rows"] or [{}])[0])) for stage in ALIGNED],
-            ("generation", f"{times['generate']:.0f} s", "—",
+            ("generation", f"{times['generate']:.0f} s", "—", "—",
              f"{len(ANSWERING)} models × {len(REPORT_PROMPTS)} prompts"),
-            ("best-of-n", f"{times.get('best_of_n', 0):.0f} s", "—",
+            ("best-of-n", f"{times.get('best_of_n', 0):.0f} s", "—", "—",
              f"{max(BEST_OF)} samples per held-out prompt from the SFT model, scored by the RM")]
     precisions = sorted({r["config"].get("mixed_precision", "no") for r in records.values()})
+    devices = sorted({r["config"].get("device", "?") for r in records.values()})
     return [f"# Report card — preset `{preset}`", "", f"Data: `data/MANIFEST.json`. Launch: `{launch}`.", "",
-            markdown_table(("stage", "wall time", "tokens/s", "final metrics"), rows).rstrip("\n"), "",
-            f"Precision: {', '.join(precisions)} autocast (`--mixed_precision`; bf16 where the CPU or GPU computes it "
-            f"natively).", ""]
+            markdown_table(("stage", "wall time", "tokens/s", "FLOP/s (MFU)", "final metrics"), rows).rstrip("\n"),
+            "", f"Precision: {', '.join(precisions)} autocast (`--mixed_precision`; bf16 where the CPU or GPU "
+            f"computes it natively). Device: {', '.join(devices)}. FLOP/s: the training FLOPs of the stage's tokens "
+            f"(6N + 12·L·H·Q·T per token, `plumbing/flops.py`) over its whole wall time, evaluations included; the "
+            f"MFU divides them by the GPU's dense bf16 peak (none is given for a CPU).", ""]
 
 
 BASELINES_EXPLAINED = (

@@ -1125,3 +1125,53 @@ def test_num_samples_reads_each_prompt_once_and_continues_it_k_times():
     assert gm.generate(model, idx, 0, 64, num_samples=3).shape == (6, idx.shape[1])  # nothing new, k copies
     with pytest.raises(ValueError, match="num_samples"):
         gm.generate(model, idx, 2, 64, num_samples=0)
+
+
+# --- Linear's split path for decoding on a CPU ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("threads", [2, 3])
+@pytest.mark.parametrize("rows", [1, 5])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("out_features", [12, 7])
+def test_linear_split_path_equals_f_linear(threads, rows, bias, out_features, monkeypatch):
+    """The blocks of output features multiplied in one bmm give F.linear's product (float32 rounding apart), for one
+    row (W x^T) and several (x W^T), with and without bias; a width the threads do not divide takes F.linear."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    calls, split = [], gm.Linear.split_forward
+    monkeypatch.setattr(gm.Linear, "split_forward", lambda self, x, parts: calls.append(parts) or split(self, x, parts))
+    torch.manual_seed(0)
+    layer = gm.Linear(10, out_features, bias=bias)
+    x = torch.randn(rows, 1, 10)  # (B, T, in)
+    with torch.no_grad():
+        got = layer(x)
+    assert got.shape == (rows, 1, out_features)
+    assert torch.allclose(got, F.linear(x, layer.weight, layer.bias), atol=1e-6)
+    assert calls == ([threads] if out_features % threads == 0 else [])
+
+
+def test_linear_takes_f_linear_for_training_autocast_bf16_and_many_rows(monkeypatch):
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    monkeypatch.setattr(gm.Linear, "split_forward", lambda *a: pytest.fail("the split path was taken"))
+    layer = gm.Linear(8, 8)
+    layer(torch.randn(1, 8)).sum().backward()  # autograd on: training
+    with torch.no_grad():
+        layer(torch.randn(gm.SPLIT_ROWS + 1, 8))  # more rows than a decoding batch
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            layer(torch.randn(1, 8))
+        layer.to(torch.bfloat16)(torch.randn(1, 8, dtype=torch.bfloat16))
+
+
+def test_greedy_decoding_is_the_same_with_and_without_the_split_path(monkeypatch):
+    """Whole generations: the split products change no greedy token of a small random model at batch 1 and 4."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    torch.manual_seed(0)
+    model = GPTModel(GPTConfig(vocab_size=300, context_length=64, emb_dim=32, n_heads=2, n_layers=2, drop_rate=0.0,
+                               position_embedding="rope")).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.3)
+    prompt = torch.randint(1, 300, (4, 6), generator=torch.Generator().manual_seed(1))
+    split = [gm.generate(model, prompt[:b], 20, 64) for b in (1, 4)]
+    monkeypatch.setattr(gm, "SPLIT_ROWS", 0)
+    for ids, b in zip(split, (1, 4)):
+        assert torch.equal(ids, gm.generate(model, prompt[:b], 20, 64))

@@ -88,7 +88,7 @@ def test_resume_through_saved_state_is_bit_identical(tmp_path):
     save_training_state(str(tmp_path), opt, {"step": 2}, torch.get_rng_state()[None])
     resumed, opt = new()
     resumed.load_state_dict(first.state_dict())
-    single = types.SimpleNamespace(num_processes=1, process_index=0)
+    single = types.SimpleNamespace(num_processes=1, process_index=0, device=torch.device("cpu"))
     assert load_training_state(str(tmp_path), opt, single) == {"step": 2}
     assert opt._muon.state is opt.state and opt._adamw.param_groups[0] is opt.param_groups[0]
     for s in range(2, 4):

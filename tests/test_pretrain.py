@@ -66,6 +66,18 @@ def test_packing_joins_documents_with_sep_and_shifts_by_one(tokenizer, tmp_path)
     assert x.tolist() == expected[3:6] and y.tolist() == expected[4:7]
 
 
+def test_a_batch_holds_the_blocks_it_names_in_order(tokenizer, tmp_path):
+    """collate reads many blocks at once; each row must be the expected slice of the token list, as blocks[i] is."""
+    path = tmp_path / "docs.jsonl"
+    path.write_text("".join(f'{{"text": "第{i}篇文章，写一些字。"}}\n' for i in range(20)), encoding="utf-8")
+    blocks = PackedBlocks(load_text_documents([str(path)], "test"), tokenizer, block_len=5)
+    tokens, order = blocks.tokens.tolist(), [len(blocks) - 1, 0, 7, 7, 3]
+    batch = blocks.collate(order)
+    assert batch["input_ids"].tolist() == [tokens[5 * i:5 * i + 5] for i in order]
+    assert batch["labels"].tolist() == [tokens[5 * i + 1:5 * i + 6] for i in order]
+    assert batch["input_ids"].dtype == torch.int64 and batch["labels"].is_contiguous()
+
+
 def test_packing_starts_each_document_with_the_models_bos(tokenizer, tmp_path):
     """For weights trained on "[CLS] text [SEP]" (uer's: cfg.bos_id 101) every document starts with [CLS] too;
     before, --init_from_hf packed them as our own pretraining does, with no [CLS]."""
