@@ -1,13 +1,13 @@
 """``--compile`` measured: each demo stage run whole, with and without ``torch.compile``, on this machine.
 
-    python bench/bench_compile.py                      # pretraining and SFT at the demo preset (~20 min on 2 cores)
+    python bench/bench_compile.py                      # pretraining and SFT at the demo preset (~17 min on 2 cores)
     python bench/bench_compile.py --stages pretrain --max_steps 120
 
 For each stage and setting it reports the stage's wall time (start-up, compilation, training and evaluations: what
 a user waits for), the first step's time (where compilation happens), the median time of the other steps (from the
 FLOP/s the stage logs for each step, ``plumbing/flops.py``) and the tokens/s over the whole run. Both runs of a
 stage start from the same weights and data, so only the compilation differs. The table goes in bench/README.md
-("torch.compile").
+("`--compile`").
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -54,28 +55,33 @@ def run_stage(stage: str, out: str, compiled: bool, extra: list[str]) -> dict:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--stages", nargs="+", default=list(SCRIPTS), choices=list(SCRIPTS))
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--stages", nargs="+", default=list(SCRIPTS), choices=list(SCRIPTS),
+                   help="the stages to run twice (sft starts from this bench's pretraining, else checkpoints/pretrain)")
     p.add_argument("--max_steps", type=int, help="shorter runs than the preset's (default: the whole stage)")
     args = p.parse_args()
     import torch
 
     print(f"CPU: {cpu_name()}; torch {torch.__version__}, {torch.get_num_threads()} threads\n")
     steps = ["--max_steps", str(args.max_steps)] if args.max_steps else []
-    work = tempfile.mkdtemp(prefix="bench_compile_")
+    work = tempfile.mkdtemp(prefix="bench_compile_")  # the runs' checkpoints, removed at the end
     print("| stage | torch.compile | wall time (s) | first step (s) | other steps, median (s) | tokens/s | val loss |")
     print("|---|---|---|---|---|---|---|")
-    for stage in args.stages:
-        extra = list(steps)
-        if stage == "sft":  # from the eager pretraining run of this bench, or the pipeline's checkpoint
-            parent = os.path.join(work, "pretrain-eager")
-            extra += ["--init", parent if os.path.isdir(parent) else os.path.join(ROOT, "checkpoints", "pretrain")]
-        for compiled in (False, True):
-            out = os.path.join(work, f"{stage}-{'compiled' if compiled else 'eager'}")
-            r = run_stage(stage, out, compiled, extra)
-            print(f"| {stage} ({r['steps']} steps) | {'on' if compiled else 'off'} | {r['wall_s']:.0f} | "
-                  f"{r['first_step_s']:.1f} | {r['step_s']:.3f} | {r['tokens_per_s']:,.0f} | {r['val_loss']:.3f} |",
-                  flush=True)
+    try:
+        for stage in args.stages:
+            extra = list(steps)
+            if stage == "sft":  # from the eager pretraining run of this bench, or the pipeline's checkpoint
+                parent = os.path.join(work, "pretrain-eager")
+                extra += ["--init", parent if os.path.isdir(parent) else os.path.join(ROOT, "checkpoints", "pretrain")]
+            for compiled in (False, True):
+                out = os.path.join(work, f"{stage}-{'compiled' if compiled else 'eager'}")
+                r = run_stage(stage, out, compiled, extra)
+                print(f"| {stage} ({r['steps']} steps) | {'on' if compiled else 'off'} | {r['wall_s']:.0f} | "
+                      f"{r['first_step_s']:.1f} | {r['step_s']:.3f} | {r['tokens_per_s']:,.0f} | {r['val_loss']:.3f} |",
+                      flush=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     return 0
 
 

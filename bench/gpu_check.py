@@ -96,10 +96,19 @@ class Check:
             json.dump(self.results, f, indent=1)
 
 
+def last_line(output: str) -> str:
+    """The last non-empty line of a command's output (what it said last, usually its error), or "no output"."""
+    lines = output.strip().splitlines()
+    return lines[-1][:300] if lines else "no output"
+
+
 def run(command: list[str], check: Check, title: str, timeout: float, cwd: str = ROOT, env: dict | None = None):
     """Run a command with a time limit; its output's tail goes to the log. Returns (exit code or None, output)."""
+    if timeout < 1:
+        check.log(f"{title} (not started)", "no time left in --budget_s")
+        return None, ""
     try:
-        done = subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=max(timeout, 1),
+        done = subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=timeout,
                               env={**os.environ, **(env or {})})
         code, output = done.returncode, done.stdout + done.stderr
     except subprocess.TimeoutExpired as e:
@@ -210,8 +219,10 @@ def pretrain_throughput(check: Check, device, size, compiled: bool) -> list:
     code, output = run(command, check, f"pretrain compile={compiled}", check.left() - 30)
     wall = time.time() - started
     try:
+        if code is None:
+            raise TimeoutError(f"cut short: the --budget_s left too little time ({last_line(output)})")
         if code != 0:
-            raise RuntimeError(f"0-PRETRAIN.py exited {code}: {output.strip().splitlines()[-1][:300]}")
+            raise RuntimeError(f"0-PRETRAIN.py exited {code}: {last_line(output)}")
         with open(os.path.join(out, "metrics.jsonl"), encoding="utf-8") as f:
             rows = [json.loads(line) for line in f]
     finally:
@@ -282,7 +293,8 @@ def cuda_tests(check: Check, device, size) -> list:
     code, output = run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "-m", "cuda",
                         *chosen, "tests/test_cuda.py"], check, "pytest -m cuda", check.left() - 20)
     summary = next((line.strip("= ") for line in reversed(output.splitlines()) if " in " in line and (
-        "passed" in line or "failed" in line or "skipped" in line or "error" in line)), f"no summary (exit {code})")
+        "passed" in line or "failed" in line or "skipped" in line or "error" in line)),
+        "cut short: the --budget_s left too little time" if code is None else f"no summary (exit {code})")
     failed = [line for line in output.splitlines() if line.startswith(("FAILED", "ERROR"))]
     check.results["cuda_tests"] = {"exit": code, "summary": summary, "failed": failed}
     return [(f"CUDA tests (`pytest -m cuda{' -k ' + repr(check.tests_filter) if chosen else ''} tests/test_cuda.py`)",
@@ -367,15 +379,16 @@ class Pipeline:
         self.check.results["pipeline"] = {"exit": code, "wall_s": wall, "stages_started": stages}
         what = f"`python pipeline.py --preset {self.preset}` (the CUDA tests ran beside it)"
         if code is None:
-            return [(what, f"**did not finish** in the {wall:.0f} s left; last step started: "
-                           f"{stages[-1] if stages else 'none'}")]
+            return [(what, f"**cut short**: not finished after {wall:.0f} s, when --budget_s ran out; last step "
+                           f"started: {stages[-1] if stages else 'none'}")]
         if code != 0:
-            return [(what, f"**failed** (exit {code}) after {wall:.0f} s: {output.strip().splitlines()[-1][:300]}")]
+            return [(what, f"**failed** (exit {code}) after {wall:.0f} s: {last_line(output)}")]
         return [(what, f"finished in {wall:.0f} s ({wall / 60:.1f} min); its report card is report.md")]
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--dry_run", action="store_true", help="the same steps at tiny size, on the CPU")
     p.add_argument("--out", default=os.path.join(ROOT, "reports", "gpu_check"), help="folder for the results")
     p.add_argument("--budget_s", type=float, default=530.0,
@@ -384,6 +397,8 @@ def main(argv=None) -> int:
                    help="run only these steps (the device row always runs)")
     p.add_argument("--tests_filter", help="pytest -k expression for the CUDA tests (default: all of them)")
     args = p.parse_args(argv)
+    if args.budget_s <= 0:
+        p.error(f"--budget_s must be a positive number of seconds, got {args.budget_s}")
     if not args.dry_run and not torch.cuda.is_available():
         print("error: no CUDA device here; run with --dry_run to try the steps on the CPU", file=sys.stderr)
         return 2
@@ -413,7 +428,8 @@ def main(argv=None) -> int:
     check.write()
     with open(os.path.join(args.out, "table.md"), encoding="utf-8") as f:
         print(f.read())
-    return 0
+    # a step that failed or was cut short makes the check fail too (the table says which)
+    return 1 if any("**" in result or "cut short" in result for _, result, _ in check.rows) else 0
 
 
 if __name__ == "__main__":

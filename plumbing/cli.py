@@ -175,7 +175,7 @@ def stage_parser(description: str, output_dir: str, defaults: dict, steps: str =
     p.add_argument("--deterministic", action="store_true",
                    help="deterministic GPU kernels (torch.use_deterministic_algorithms, CUBLAS_WORKSPACE_CONFIG="
                         ":4096:8, attention through the math kernel), so that a --resume on a GPU repeats the run "
-                        "bit for bit; slower. A CPU run is deterministic without it")
+                        "bit for bit; slower. Without a GPU it changes nothing: a CPU run repeats itself anyway")
     p.add_argument("--tokenizer", default=default_path("data", "tokenizer"), help="tokenizer directory")
     return p
 

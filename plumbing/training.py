@@ -47,7 +47,7 @@ def make_accelerator(args):
     from accelerate import Accelerator
     from accelerate.utils import set_seed
 
-    if args.deterministic:
+    if args.deterministic and torch.cuda.is_available():  # a CPU run repeats itself without it: nothing to change
         # cuBLAS keeps one reduction order only with a fixed workspace (read when its first handle is made); the
         # scatters and index writes take their deterministic kernels; an operation that has none warns (warn_only)
         # instead of stopping the run. The fused attention kernels' backward stays non-deterministic under
@@ -117,9 +117,13 @@ def check_same_settings(saved: dict | None, now: dict, output_dir: str) -> None:
     if saved is None:
         return
     differ = [k for k in saved if k in now and saved[k] != now[k]]
+
+    def flag(key, value):  # as typed: "--compile" or "no --compile" for a switch, "--seed 3" for a value
+        return (f"--{key}" if value else f"no --{key}") if isinstance(value, bool) else f"--{key} {value}"
+
     if differ:
-        was = " ".join(f"--{k} {saved[k]}" for k in differ)
-        given = ", ".join(f"--{k} {now[k]}" for k in differ)
+        was = " ".join(flag(k, saved[k]) for k in differ)
+        given = ", ".join(flag(k, now[k]) for k in differ)
         raise UserError(f"--resume: the run in {output_dir} was saved with {was}, not {given}; resume it with "
                         f"the same flags, or start a new run with --overwrite")
 
