@@ -827,8 +827,9 @@ def arithmetic_tasks(seed: int) -> dict[str, list[dict]]:
 
 
 def reverse_tasks(seed: int) -> dict[str, list[dict]]:
-    """Strings of 3-4 different characters to write backwards, drawn at random; a string drawn already (in any
-    split) is drawn again, so no input string is in two splits."""
+    """Strings of 3-4 different characters to write backwards, drawn at random. A string and its reversal are one
+    problem (each is the other's answer), as a + b and b + a are for the sums: a string drawn already, as itself or
+    reversed, in any split, is drawn again, so no problem is in two splits either way round."""
     import random
 
     rng, seen, out = random.Random(f"{seed}:reverse"), set(), {}
@@ -838,7 +839,7 @@ def reverse_tasks(seed: int) -> dict[str, list[dict]]:
             text = "".join(rng.sample(REVERSE_CHARS, rng.randint(*REVERSE_LENGTHS)))
             if text in seen:
                 continue
-            seen.add(text)
+            seen.update((text, text[::-1]))  # one entry for a palindrome
             template = REVERSE_TEMPLATES[rng.randrange(len(REVERSE_TEMPLATES))]
             out[split].append({"prompt": template.format(s=text), "answer": text[::-1], "family": "reverse"})
     return out

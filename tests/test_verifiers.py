@@ -67,8 +67,9 @@ def task_splits():
 
 
 def test_the_held_out_problems_share_nothing_with_training(task_splits):
-    """No operand pair (whichever operation or order) and no input string is in two splits; each held-out split has
-    500 (test) and 200 (val) problems per family, and every answer passes its own checker."""
+    """No operand pair (whichever operation or order) and no string (as itself or reversed: a reversal problem read
+    backwards is another's answer) is in two splits; each held-out split has 500 (test) and 200 (val) problems per
+    family, and every answer passes its own checker."""
     def keys(rows):
         found = set()
         for row in rows:
@@ -78,7 +79,7 @@ def test_the_held_out_problems_share_nothing_with_training(task_splits):
                 b = verifiers.parse_number("".join(ch for ch in numbers[1] if ch in verifiers.CHINESE_DIGITS))
                 found.add(("arithmetic", frozenset((a, b))))
             else:
-                found.add(("reverse", row["answer"][::-1]))
+                found.add(("reverse", frozenset((row["answer"], row["answer"][::-1]))))
         return found
 
     splits = {name: keys(rows) for name, rows in task_splits.items()}
