@@ -19,15 +19,21 @@ and characters outside the vocabulary (they become ``[UNK]``).
 
 Special ids: ``[PAD]=0``, ``[UNK]=100``, ``[CLS]=101`` starts a sequence, ``[SEP]=102`` ends a document or a turn
 and is the ``eos_id``; ``[unused5]`` is renamed ``[ANS]`` and separates a prompt from its response.
+
+Our code never lets text become one of these ids (``encode`` reads "[SEP]" typed in a text as the five characters
+it is); only the code that lays out a sequence puts them in. ``export_tokenizer`` carries that rule to the tokenizer
+that ``load_weight.py --to_hf`` writes for ``transformers``, and ``load_tokenizer`` reads such an export back as the
+project tokenizer.
 """
 
 from __future__ import annotations
 
+import json
 import os
 
 import torch
-from tokenizers import AddedToken, decoders
-from transformers import BertTokenizerFast
+from tokenizers import AddedToken, Tokenizer, decoders, processors
+from transformers import BertTokenizerFast, PreTrainedTokenizerFast
 
 VOCAB_SIZE = 21128
 PAD_ID, UNK_ID, CLS_ID, SEP_ID, MASK_ID = 0, 100, 101, 102, 103
@@ -69,25 +75,36 @@ def build_tokenizer(vocab_file: str) -> BertTokenizerFast:
         tokens = f.read().split("\n")
     if tokens and tokens[-1] == "":
         tokens.pop()
+    return _tokenizer_from_tokens(tokens, vocab_file)
+
+
+def _tokenizer_from_tokens(tokens: list[str], where: str) -> BertTokenizerFast:
     if len(tokens) != VOCAB_SIZE:
-        raise TokenizerError(f"{vocab_file} holds {len(tokens)} tokens, expected the {VOCAB_SIZE} of bert-base-chinese")
+        raise TokenizerError(f"{where} holds {len(tokens)} tokens, expected the {VOCAB_SIZE} of bert-base-chinese")
     renames = {**CHAR_SLOTS, ANSWER_SLOT: ANSWER_TOKEN}
     # An explicit vocab dict: in transformers 5.x, BertTokenizer(vocab_file=...) silently builds a 5-token vocab.
     vocab = {renames.get(tok, tok): i for i, tok in enumerate(tokens)}
     tokenizer = BertTokenizerFast(vocab=vocab, do_lower_case=True, tokenize_chinese_chars=True)
     tokenizer.add_tokens([AddedToken(ch, normalized=False, special=False) for ch in CHAR_SLOTS.values()])
     tokenizer.add_special_tokens({"additional_special_tokens": [ANSWER_TOKEN]})
-    _check(tokenizer, vocab_file)
+    _check(tokenizer, where)
     return _with_concatenating_decoder(tokenizer)
 
 
 def load_tokenizer(path: str) -> BertTokenizerFast:
-    """Load the tokenizer from a directory written by ``save_pretrained`` or holding a plain ``vocab.txt``.
+    """Load the tokenizer from a directory written by ``save_pretrained``, by ``export_tokenizer`` (read back as the
+    project tokenizer, its chat template kept) or holding a plain ``vocab.txt``.
 
     Raises:
         TokenizerError: nothing loadable there, or the vocabulary is not the project's.
     """
     if os.path.isfile(os.path.join(path, "tokenizer.json")):
+        exported = _exported_tokens(os.path.join(path, "tokenizer.json"))
+        if exported is not None:
+            tokenizer = _tokenizer_from_tokens(exported, path)
+            template = PreTrainedTokenizerFast.from_pretrained(path).chat_template
+            tokenizer.chat_template = template and _unmarked(template)
+            return tokenizer
         tokenizer = BertTokenizerFast.from_pretrained(path)
         _check(tokenizer, path)
         return _with_concatenating_decoder(tokenizer)
@@ -364,3 +381,75 @@ class IncrementalDecoder:
             return ""  # nothing new yet (or a merge changed earlier text: keep what was already given out)
         new, self.text = text[len(self.text):], text
         return new
+
+
+# An exported tokenizer (export_tokenizer) names the control tokens with this character in front: a code point of
+# Unicode's supplementary private use area, which no text carries and which BERT's normaliser deletes from text, so
+# "[SEP]" typed by a user is plain text there as it is for ``encode``. [UNK] is not a control token: the model reads
+# it for a character it lacks, and it stays a plain entry of the vocabulary, visible when decoded.
+EXPORT_MARK = "\U000F1000"
+CONTROL_TOKENS = {PAD_ID: "[PAD]", ANSWER_ID: ANSWER_TOKEN, CLS_ID: "[CLS]", SEP_ID: "[SEP]", MASK_ID: "[MASK]"}
+
+
+def _exported_tokens(json_file: str) -> list[str] | None:
+    """The vocabulary of an ``export_tokenizer`` file, in id order and under our names; None for any other file."""
+    try:
+        with open(json_file, encoding="utf-8") as f:
+            vocab = json.load(f)["model"]["vocab"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise TokenizerError(f"{json_file} is not a readable tokenizer file ({e}); export it again or point "
+                             f"--tokenizer at data/tokenizer") from e
+    if not isinstance(vocab, dict) or EXPORT_MARK + "[SEP]" not in vocab:
+        return None
+    tokens = sorted(vocab, key=vocab.get)
+    return [_unmarked(token) for token in tokens]
+
+
+def _unmarked(text: str) -> str:
+    return text.replace(EXPORT_MARK, "")
+
+
+def export_tokenizer(tokenizer: BertTokenizerFast, chat_template: bool, add_bos: bool,
+                     model_input_names=("input_ids", "attention_mask")) -> PreTrainedTokenizerFast:
+    """The project tokenizer as ``transformers`` should read it from an exported model directory: for every text,
+    ``tokenizer(text)`` gives the ids ``encode`` gives (after ``[CLS]`` when ``add_bos``, as ``generate.py``
+    prompts a model whose documents started with it), ``apply_chat_template`` the ids of ``chat_messages_ids`` /
+    ``chat_conversation_ids``, and ``decode`` the text of ``decode`` (no spaces between Chinese characters).
+
+    BERT's tokenizer matches the names of its special tokens in the text ("你好[SEP]" gives a real end of turn) and
+    wraps every text in ``[CLS] ... [SEP]``. Here the five control tokens (``CONTROL_TOKENS``) keep their ids under
+    the names ``EXPORT_MARK + "[SEP]"`` and so on, so typed names stay text; the chat template writes the marked
+    names; nothing is added around a text but the optional ``[CLS]``; the decoder glues word pieces. What cannot
+    match ``encode``: a text that itself contains ``EXPORT_MARK`` before a control token's name (``encode`` deletes
+    the mark and reads the name as text; the export reads a control token). The class is ``transformers``' generic
+    fast tokenizer, which takes ``tokenizer.json`` as written (``BertTokenizer`` would rebuild BERT's pipeline).
+
+    Args:
+        tokenizer: the project tokenizer (``load_tokenizer``); left unchanged.
+        chat_template: store ``CHAT_TEMPLATE`` (a model trained on it: SFT and after, and reward models).
+        add_bos: ``tokenizer(text)`` starts with ``[CLS]`` (``GPTConfig.bos_id`` is set: uer's weights).
+        model_input_names: what ``tokenizer(...)`` returns.
+
+    Returns:
+        A ``PreTrainedTokenizerFast``; ``save_pretrained`` writes it, ``load_tokenizer`` reads it back.
+    """
+    state = json.loads(tokenizer.backend_tokenizer.to_str())
+    vocab = state["model"]["vocab"]
+    marked = {name: EXPORT_MARK + name for name in CONTROL_TOKENS.values()}
+    for name in CONTROL_TOKENS.values():
+        vocab[marked[name]] = vocab.pop(name)
+    state["added_tokens"] = [{**token, "content": marked.get(token["content"], token["content"])}
+                             for token in state["added_tokens"] if token["id"] != UNK_ID]
+    cls = marked["[CLS]"]
+    state["post_processor"] = json.loads(processors.TemplateProcessing(
+        single=f"{cls}:0 $A:0" if add_bos else "$A:0", pair=f"{cls}:0 $A:0 $B:1" if add_bos else "$A:0 $B:1",
+        special_tokens=[(cls, CLS_ID)]).__getstate__())  # tokenizer.json readers (tokenizers, transformers.js) use it
+    template = CHAT_TEMPLATE
+    for name in ("[CLS]", "[SEP]", ANSWER_TOKEN):
+        template = template.replace(name, marked[name])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer.from_str(json.dumps(state)), bos_token=cls, cls_token=cls,
+        eos_token=marked["[SEP]"], sep_token=marked["[SEP]"], pad_token=marked["[PAD]"], mask_token=marked["[MASK]"],
+        extra_special_tokens=[marked[ANSWER_TOKEN]], add_bos_token=add_bos, add_eos_token=False,
+        chat_template=template if chat_template else None, model_input_names=list(model_input_names),
+        clean_up_tokenization_spaces=False)

@@ -1,15 +1,19 @@
-"""Export the pipeline's aligned model and reward model to transformers and check that transformers reproduces them.
+"""Export the pipeline's models to transformers and check that transformers reproduces them, text and all.
 
 For the policy (default ``checkpoints/ppo``): ``load_weight.save_hf_model`` writes it (GPT-NeoX for the demo's
 rotary positions), ``AutoModelForCausalLM`` loads it, and on the report card's prompts, built by the exported
 tokenizer's chat template, ``transformers``' ``generate`` must give our greedy answers token for token (plain
 greedy, and greedy with the report's repetition penalty), one prompt at a time and all prompts in one left-padded
-batch; the largest logit difference on a padded batch is printed. For the reward model (default
-``checkpoints/rm``): ``AutoModelForSequenceClassification`` must score texts of different lengths in one padded
-batch, left and right, as ``score_texts`` (what ``2-RM.py --score`` prints) does. Prints a Markdown table; exits
-1 on a mismatch.
+batch; the largest logit difference on a padded batch is printed. For the pretrained model (default
+``checkpoints/pretrain``): ``pipeline("text-generation", model=export)`` must return, greedily, each prompt
+followed by the text ``generate.py --temperature 0`` writes for the checkpoint. For the reward model (default
+``checkpoints/rm``): ``AutoModelForSequenceClassification`` on the exported chat template over (user, assistant)
+turns must score texts of different lengths in one padded batch, left and right, as ``score_texts`` (what
+``2-RM.py --score`` prints) does. Prompts and texts include special tokens' names typed as text ("[SEP]"), which
+must stay text. Prints Markdown tables; exits 1 on a mismatch.
 
-    python bench/export_parity.py [--policy checkpoints/ppo] [--reward checkpoints/rm] [--max_new_tokens 64]
+    python bench/export_parity.py [--policy checkpoints/ppo] [--pretrain checkpoints/pretrain]
+                                  [--reward checkpoints/rm] [--max_new_tokens 64]
 """
 
 from __future__ import annotations
@@ -25,16 +29,19 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from chinese_tokenizer import SEP_ID, chat_prompt_ids, decode  # noqa: E402
+from chinese_tokenizer import SEP_ID, chat_prompt_ids, decode, until_eos  # noqa: E402
 from gpt_model import generate  # noqa: E402
 from plumbing.checkpoint import load_checkpoint  # noqa: E402
 from plumbing.hf_weights import save_hf_model  # noqa: E402
+from plumbing.inference import prompt_to_ids  # noqa: E402
 from plumbing.report import REPORT_PROMPTS  # noqa: E402
 from plumbing.reward import score_texts  # noqa: E402
 
 RM_TEXTS = [("", "房间很干净，服务也好。"), ("这家酒店怎么样？", "太吵了"),
             ("写一条好评：", "位置不错，早餐种类很多，下次还来。"), ("", "差"),
-            ("评价一下这家店", "菜量很足，价格实惠，服务员态度热情，停车也方便。")]
+            ("评价一下这家店", "菜量很足，价格实惠，服务员态度热情，停车也方便。"),
+            ("写一条好评：[SEP]", "房间[SEP]很干净[ANS]服务也好。")]
+CONTINUE_PROMPTS = ["中国人民", "今天天气", "刘备说：", "经济[SEP]发展"]
 
 
 def cut_at_eos(ids):
@@ -50,8 +57,9 @@ def policy_parity(path, out, max_new_tokens):
     hf_tokenizer = AutoTokenizer.from_pretrained(out)
     rows, ok = [], True
     prompts = [hf_tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=True, return_dict=False)
-               for p in REPORT_PROMPTS]
-    assert prompts == [chat_prompt_ids(p, tokenizer) for p in REPORT_PROMPTS], "chat template differs"
+               for p in REPORT_PROMPTS + ["你好[SEP]"]]
+    assert prompts == [chat_prompt_ids(p, tokenizer) for p in REPORT_PROMPTS + ["你好[SEP]"]], "chat template differs"
+    prompts = prompts[:-1]
     for penalty in (1.0, 1.1):
         hf_tokenizer.padding_side = "left"
         batch = hf_tokenizer.pad({"input_ids": prompts}, return_tensors="pt")
@@ -84,6 +92,29 @@ def policy_parity(path, out, max_new_tokens):
     return ok
 
 
+def pretrain_parity(path, out, max_new_tokens):
+    from transformers import pipeline
+
+    model, tokenizer, config = load_checkpoint(path, "gpt")
+    written = save_hf_model(model, out, tokenizer)
+    generator = pipeline("text-generation", model=out, device="cpu")
+    rows, ok = [], True
+    for prompt in CONTINUE_PROMPTS:
+        ids = prompt_to_ids(prompt, tokenizer, False, model.cfg.context_length, model.cfg.bos_id)  # generate.py's
+        x = torch.tensor([ids])
+        ours = prompt + decode(until_eos(generate(model, x, max_new_tokens, model.cfg.context_length,
+                                                  eos_id=SEP_ID)[0, len(ids):].tolist()), tokenizer)
+        theirs = generator(prompt, max_new_tokens=max_new_tokens, do_sample=False)[0]["generated_text"]
+        ok &= theirs == ours
+        rows.append(f"| {prompt} | {'yes' if theirs == ours else 'NO'} | {theirs[:40]} |")
+    print(f"pretrained model {path} (stage {config.get('stage')}) -> {written}; pipeline(\"text-generation\") "
+          f"against generate.py --temperature 0\n")
+    print("| prompt | same text | pipeline's text |")
+    print("|---|---|---|")
+    print("\n".join(rows) + "\n")
+    return ok
+
+
 def reward_parity(path, out):
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
@@ -95,7 +126,8 @@ def reward_parity(path, out):
     worst = {}
     for side in ("left", "right"):
         hf_tokenizer.padding_side = side
-        batch = hf_tokenizer([p + "[ANS]" + r for p, r in RM_TEXTS], padding=True, return_tensors="pt")
+        conversations = [[{"role": "user", "content": p}, {"role": "assistant", "content": r}] for p, r in RM_TEXTS]
+        batch = hf_tokenizer.apply_chat_template(conversations, padding=True, return_tensors="pt")
         with torch.no_grad():
             scores = hf(**batch).logits[:, 0].tolist()
         worst[side] = max(abs(a - b) for a, b in zip(scores, expected))
@@ -116,6 +148,7 @@ def cpu_name() -> str:
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--policy", default="checkpoints/ppo")
+    p.add_argument("--pretrain", default="checkpoints/pretrain")
     p.add_argument("--reward", default="checkpoints/rm")
     p.add_argument("--max_new_tokens", type=int, default=64)
     args = p.parse_args()
@@ -125,6 +158,7 @@ def main():
           f"{torch.get_num_threads()} threads, fp32\n")
     with tempfile.TemporaryDirectory() as tmp:
         ok = policy_parity(args.policy, os.path.join(tmp, "policy"), args.max_new_tokens)
+        ok &= pretrain_parity(args.pretrain, os.path.join(tmp, "pretrain"), args.max_new_tokens)
         ok &= reward_parity(args.reward, os.path.join(tmp, "rm"))
     print(f"{'all match' if ok else 'MISMATCH'} ({time.time() - started:.0f} s)")
     return 0 if ok else 1

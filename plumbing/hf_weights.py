@@ -77,7 +77,6 @@ The command ``load_weight.py`` converts a directory either way with these functi
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import re
@@ -88,7 +87,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
-from chinese_tokenizer import CHAT_TEMPLATE, CLS_ID, PAD_ID, SEP_ID, VOCAB_SIZE, TokenizerError, load_tokenizer
+from chinese_tokenizer import CLS_ID, PAD_ID, SEP_ID, VOCAB_SIZE, TokenizerError, export_tokenizer, load_tokenizer
 from gpt_model import GPTConfig, GPTModel, RewardModel
 from plumbing.checkpoint import load_pickle_free, replace_dir
 from plumbing.cli import UserError, default_path
@@ -110,7 +109,8 @@ CLASSES = {"gpt2": ("GPT2LMHeadModel", "GPT2ForSequenceClassification", "transfo
 # the name of an untied output head in each architecture's files
 UNTIED_HEAD = {"gpt2": "lm_head.weight", "gpt_neox": "embed_out.weight", "arcee": "lm_head.weight"}
 SCORE = "score.weight"  # (1, E) the reward head of every *ForSequenceClassification
-MODEL_INPUTS = ("input_ids", "attention_mask")  # what an exported tokenizer returns
+# what an exported tokenizer returns: no token_type_ids, which the models do not take (generate(**batch) refuses them)
+MODEL_INPUTS = ("input_ids", "attention_mask")
 ROPE_BASE = 10000.0  # gpt_model.rope_angles' base
 
 # Defaults of the transformers configs for the fields read here (a config.json may leave them out).
@@ -633,15 +633,18 @@ def gpt_to_hf_state_dict(model) -> tuple[dict, dict | None]:
 def save_hf_model(model, out_dir: str, tokenizer=None, overwrite: bool = False, chat: bool = False) -> str:
     """Write ``model`` (a ``GPTModel`` or a ``RewardModel``) as a Hugging Face directory of the architecture that
     computes its function (``architecture_for``): ``config.json``, ``model.safetensors``, for a language model
-    ``generation_config.json``, and when given the tokenizer (``save_pretrained``; ``AutoTokenizer`` then encodes
-    as ours does, but its decode puts a space between characters: decode with ``chinese_tokenizer``). With
-    ``chat`` (a model trained on the chat template: SFT and after) and always for a reward model, the tokenizer
-    carries ``CHAT_TEMPLATE``, so ``apply_chat_template`` builds the prompts it was trained on. The saved tokenizer
-    returns ``input_ids`` and ``attention_mask`` only (``MODEL_INPUTS``), so ``model.generate(**batch)`` works.
+    ``generation_config.json``, and when given the tokenizer, ``chinese_tokenizer.export_tokenizer``'s:
+    ``AutoTokenizer`` then encodes and decodes every text as ``chinese_tokenizer`` does (a typed "[SEP]" stays
+    text; a plain text gets no ``[SEP]`` at its end, and ``[CLS]`` in front only where ``model.cfg.bos_id`` says
+    the model's documents started with it), so ``pipeline("text-generation")`` continues a prompt as
+    ``generate.py`` does. With ``chat``
+    (a model trained on the chat template: SFT and after) and always for a reward model, the tokenizer carries the
+    chat template, so ``apply_chat_template`` builds the prompts it was trained on. The saved tokenizer returns
+    ``input_ids`` and ``attention_mask`` only (``MODEL_INPUTS``), so ``model.generate(**batch)`` works.
 
     ``AutoModelForCausalLM.from_pretrained(out_dir)`` then gives the same logits as ``model``;
     ``AutoModelForSequenceClassification`` the same rewards as a ``RewardModel`` for ``[CLS] prompt [ANS]
-    response [SEP]`` (what ``AutoTokenizer`` makes of ``prompt + "[ANS]" + response``), padded left or right
+    response [SEP]`` (what ``apply_chat_template`` makes of a user turn and an assistant turn), padded left or right
     (with learned positions, left padding needs ``position_ids`` counted from each row's first real token, as
     ``generate`` passes them). For our vocabulary the config says bos = [CLS] (101), eos = [SEP] (102),
     pad = [PAD] (0). The directory is built beside ``out_dir`` and renamed into place, so an interrupted export
@@ -674,11 +677,8 @@ def save_hf_model(model, out_dir: str, tokenizer=None, overwrite: bool = False, 
             with open(os.path.join(tmp, name), "w", encoding="utf-8") as f:
                 json.dump(content, f, indent=2)
         if tokenizer is not None:
-            exported = copy.deepcopy(tokenizer)  # the caller's tokenizer stays as it was
-            exported.chat_template = CHAT_TEMPLATE if chat or reward else None
-            # no token_type_ids: the models take none, and generate(**tokenizer(...)) would refuse them
-            exported.model_input_names = exported.init_kwargs["model_input_names"] = list(MODEL_INPUTS)
-            exported.save_pretrained(tmp)
+            export_tokenizer(tokenizer, chat_template=chat or reward, add_bos=model.cfg.bos_id is not None,
+                             model_input_names=MODEL_INPUTS).save_pretrained(tmp)
         replace_dir(tmp, out_dir)
     except OSError as e:
         if tmp is not None:

@@ -20,7 +20,7 @@ from transformers import (
     GPTNeoXForCausalLM,
 )
 
-from chinese_tokenizer import CHAT_TEMPLATE, chat_messages_ids
+from chinese_tokenizer import CHAT_TEMPLATE, chat_messages_ids, load_tokenizer
 from gpt_model import GPTConfig, GPTModel, RewardModel, generate
 from plumbing import hf_weights
 from plumbing.checkpoint import load_checkpoint, save_checkpoint
@@ -174,7 +174,13 @@ def test_neox_variants_our_model_cannot_compute_are_refused(tmp_path, override, 
 # reward models
 
 TEXTS = [("", "房间很干净，服务也好。"), ("这家酒店怎么样？", "太吵了"),
-         ("评价一下", "位置不错，早餐种类很多，下次还来。“值得”"), ("", "差")]
+         ("评价一下", "位置不错，早餐种类很多，下次还来。“值得”"), ("", "差"), ("好不好[ANS]", "好[SEP]不好")]
+# special tokens' names typed as text: our encode reads them as characters, and so must an exported tokenizer
+TYPED = ["你好[SEP]世界", "[CLS]开头", "[PAD][PAD]", "不认识的字是[UNK]", "[MASK]遮住", "问[ANS]答", "[sep] [Sep]"]
+
+
+def conversations(pairs):
+    return [[{"role": "user", "content": p}, {"role": "assistant", "content": r}] for p, r in pairs]
 
 
 @pytest.mark.parametrize("norm, position", list(EXPECTED), ids=[f"{n}-{p}" for n, p in EXPECTED])
@@ -190,8 +196,8 @@ def test_reward_model_exports_as_sequence_classification(tmp_path, tokenizer, no
     hf_tokenizer = AutoTokenizer.from_pretrained(str(out))
     expected = score_texts(rm, tokenizer, [p for p, _ in TEXTS], [r for _, r in TEXTS])
     for side in ("left", "right"):
-        hf_tokenizer.padding_side = side
-        batch = hf_tokenizer([p + "[ANS]" + r for p, r in TEXTS], padding=True, return_tensors="pt")
+        hf_tokenizer.padding_side = side  # the documented path: the chat template over (user, assistant) turns
+        batch = hf_tokenizer.apply_chat_template(conversations(TEXTS), padding=True, return_tensors="pt")
         assert bool((batch["attention_mask"] == 0).any())  # the lengths differ: the batch is padded
         extra = {"position_ids": positions(batch["attention_mask"])} if position == "learned" else {}
         with torch.no_grad():
@@ -207,6 +213,63 @@ def test_reward_model_exports_as_sequence_classification(tmp_path, tokenizer, no
     assert isinstance(back, RewardModel) and back.cfg == cfg and same_weights(rm, back)  # the fold undone exactly
     with pytest.raises(UserError, match="is a reward model"):
         hf_weights.load_hf_model(str(out), want="gpt")
+
+
+@pytest.mark.parametrize("bos_id", [None, 101], ids=["our-documents", "uer-documents"])
+def test_the_exported_tokenizer_encodes_and_decodes_as_ours(tmp_path, tokenizer, bos_id):
+    """``AutoTokenizer`` on an export: ``tokenizer(text)`` gives ``encode(text)`` (after [CLS] for a model whose
+    documents started with it, as generate.py prompts it) with special tokens' names typed in the text read as
+    text; ``apply_chat_template`` gives ``chat_messages_ids`` / ``chat_conversation_ids``; ``decode`` gives our
+    text, no spaces between characters; and ``load_tokenizer`` reads the export back as the project tokenizer."""
+    from chinese_tokenizer import (
+        chat_conversation_ids,
+        decode,
+        encode,
+        load_tokenizer,
+        tokenizer_fingerprint,
+    )
+
+    model = GPTModel(tiny("layernorm", "learned", vocab_size=21128, bos_id=bos_id))
+    hf_weights.save_hf_model(model, str(tmp_path / "hf"), tokenizer, chat=True)
+    hf_tokenizer = AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+    start = [] if bos_id is None else [bos_id]
+    for text in TYPED + ["中国人民", "Hello, world!\n“引号”…\t　全角空格"]:
+        ids = encode(text, tokenizer)
+        assert hf_tokenizer(text)["input_ids"] == start + ids, text
+        assert hf_tokenizer.apply_chat_template([{"role": "user", "content": text}], return_dict=False) == \
+            chat_messages_ids([("user", text)], tokenizer), text
+        assert hf_tokenizer.apply_chat_template(conversations([(text, text)])[0], return_dict=False) == \
+            chat_conversation_ids([("user", text), ("assistant", text)], tokenizer)[0], text
+        assert hf_tokenizer.decode(ids) == decode(ids, tokenizer), text
+    answer = [101] + encode("中国人民[UNK]", tokenizer) + [100, 5, 102, 0]  # [UNK] stays visible, control ids go
+    assert hf_tokenizer.decode(answer, skip_special_tokens=True) == decode(answer, tokenizer) == "中国人民[unk][UNK]"
+    back = load_tokenizer(str(tmp_path / "hf"))
+    assert tokenizer_fingerprint(back) == tokenizer_fingerprint(tokenizer) and back.chat_template == CHAT_TEMPLATE
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("position, bos_id", [("rope", None), ("learned", 101)], ids=["ours", "uer-like"])
+def test_text_generation_pipeline_continues_as_generate_py(tmp_path, tokenizer, position, bos_id):
+    """``pipeline("text-generation", model=export)`` of a pretrain checkpoint returns, greedily, the prompt followed
+    by exactly the text ``generate.py --temperature 0`` writes for the checkpoint: no [SEP] ends the prompt, no
+    spaces come between characters."""
+    import json
+
+    from transformers import pipeline
+
+    model = randomised(GPTModel(tiny("layernorm", position, vocab_size=21128, bos_id=bos_id)), seed=8)
+    save_checkpoint(str(tmp_path / "pretrain"), model, tokenizer, {"stage": "pretrain", "step": 1})
+    hf_weights.save_hf_model(model, str(tmp_path / "hf"), tokenizer)
+    prompts = ["中国人民", "今天天气[SEP]很好"]
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    done = run("generate.py", "--checkpoint", tmp_path / "pretrain", "--prompts_file", tmp_path / "prompts.jsonl",
+               "--output", tmp_path / "answers.jsonl", "--temperature", 0, "--max_new_tokens", 24, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    answers = [json.loads(line)["response"] for line in (tmp_path / "answers.jsonl").read_text().splitlines()]
+    generator = pipeline("text-generation", model=str(tmp_path / "hf"))
+    for prompt, answer in zip(prompts, answers):
+        assert sum("\u4e00" <= ch <= "\u9fff" for ch in answer) >= 5, answer  # enough characters to see a space
+        assert generator(prompt, max_new_tokens=24, do_sample=False)[0]["generated_text"] == prompt + answer
 
 
 def test_reward_bias_without_a_place_is_refused(tmp_path):
@@ -238,7 +301,7 @@ def test_cli_exports_chat_models_and_reward_models_and_imports_them(tmp_path, to
 
     done = run("load_weight.py", "--checkpoint", tmp_path / "sft", "--to_hf", tmp_path / "sft-hf", cwd=tmp_path)
     assert done.returncode == 0 and "GPTNeoXForCausalLM" in done.stdout and "chat template" in done.stdout, done.stderr
-    assert AutoTokenizer.from_pretrained(str(tmp_path / "sft-hf")).chat_template == CHAT_TEMPLATE
+    assert load_tokenizer(str(tmp_path / "sft-hf")).chat_template == CHAT_TEMPLATE
     done = run("load_weight.py", "--checkpoint", tmp_path / "rm", "--to_hf", tmp_path / "rm-hf", cwd=tmp_path)
     assert done.returncode == 0 and "AutoModelForSequenceClassification" in done.stdout, done.stderr
 
