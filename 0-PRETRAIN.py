@@ -127,8 +127,8 @@ def main(argv=None):
         prompt = text_to_token_ids(SAMPLE_PROMPT, tokenizer).to(accelerator.device)
         with forked_rng(accelerator.device):  # sampling must not shift the training RNG (exact resume)
             torch.manual_seed(args.seed)
-            greedy = generate(stage.saved, prompt, 40, block_len)
-            sampled = generate(stage.saved, prompt, 40, block_len, temperature=1.0, top_k=40)
+            greedy = generate(stage.unwrapped_model, prompt, 40, block_len)
+            sampled = generate(stage.unwrapped_model, prompt, 40, block_len, temperature=1.0, top_k=40)
         result = {"val_loss": val_loss, "val_perplexity": math.exp(min(val_loss, 50)),
                   "greedy": token_ids_to_text(greedy, tokenizer), "sampled": token_ids_to_text(sampled, tokenizer)}
         stage.print(f"step {stage.step}: val loss {val_loss:.3f}, perplexity {result['val_perplexity']:.1f}\n"
@@ -144,8 +144,11 @@ def main(argv=None):
             input_ids, labels = batch["input_ids"].to(accelerator.device), batch["labels"].to(accelerator.device)
             with stage.accumulate():
                 loss = model(input_ids, labels=labels)["loss"]  # mean next-token cross-entropy
-                stage.backward(loss)
+                accelerator.backward(loss)  # divided by the micro-batches; gradients sync on the last one
             step_loss += loss.item() / args.gradient_accumulation_steps
+        if stage.clip_gradients():  # to --max_grad_norm; False: a non-finite gradient, never applied
+            optimizer.step()
+        optimizer.zero_grad()
         step_loss = stage.end_step(step_loss, tokens=input_ids.numel() * args.gradient_accumulation_steps)
         row = {"train_loss": step_loss}
         if stage.eval_due:

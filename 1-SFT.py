@@ -32,9 +32,9 @@ from plumbing.batching import BatchSchedule, ChatPairs, length_grouped_batches, 
 from plumbing.checkpoint import check_output_dir, load_backbone
 from plumbing.cli import UserError, add_optimizer_argument, default_path, fill_defaults, positive_int, run, stage_parser
 from plumbing.flops import training_flops_per_token
+from plumbing.markdown import markdown_table
 from plumbing.optimizers import make_optimizer
 from plumbing.records import read_chat_pairs
-from plumbing.report import markdown_table
 from plumbing.training import StageRun, evaluate_lm, make_accelerator
 
 # Run length and optimisation per preset; every value can be overridden on the command line. The demo run sees
@@ -162,7 +162,7 @@ def main(argv=None):
     def answer_the_samples() -> None:
         """Greedy answers to the fixed prompts into ``table`` (greedy uses no randomness: exact resume holds)."""
         table[:] = [{"prompt": r["prompt"], "reference": r["response"],
-                     "answer": answer(stage.saved, r["messages"][:-1], tokenizer, cfg.context_length)}
+                     "answer": answer(stage.unwrapped_model, r["messages"][:-1], tokenizer, cfg.context_length)}
                     for r in sample_rows]
 
     def evaluate_and_answer() -> dict:
@@ -188,9 +188,12 @@ def main(argv=None):
             with stage.accumulate():
                 loss = model(batch["input_ids"], attention_mask=batch["attention_mask"],
                              labels=batch["labels"])["loss"]  # mean over this batch's response tokens
-                stage.backward(loss)
+                accelerator.backward(loss)  # divided by the micro-batches; gradients sync on the last one
             step_loss += loss.item() / args.gradient_accumulation_steps
             tokens += int(batch["attention_mask"].sum())
+        if stage.clip_gradients():  # to --max_grad_norm; False: a non-finite gradient, never applied
+            optimizer.step()
+        optimizer.zero_grad()
         row = {"train_loss": stage.end_step(step_loss, tokens)}
         if stage.eval_due:
             row.update(evaluate_and_answer())

@@ -205,8 +205,9 @@ class Pairwise:
     def examples(args, encode):
         """(chosen ids, rejected ids) per pair, the number of pairs cut to --max_length, each pair's longer side."""
         encoded = [(encode(p, c), encode(p, r)) for p, c, r in read_preference_pairs(args.train_files, "--train_files")]
-        train = [(c[0], r[0]) for c, r in encoded]
-        return train, sum(c[2] or r[2] for c, r in encoded), [max(len(c), len(r)) for c, r in train]
+        train = [(chosen, rejected) for (chosen, _), (rejected, _) in encoded]
+        cut = sum(chosen_cut or rejected_cut for (_, chosen_cut), (_, rejected_cut) in encoded)
+        return train, cut, [max(len(chosen), len(rejected)) for chosen, rejected in train]
 
     @staticmethod
     def collate(items) -> dict:
@@ -229,8 +230,8 @@ class Pointwise:
     def examples(args, encode):
         """(ids, label) per text, the number cut to --max_length, each one's length."""
         encoded = [(encode(p, t), label) for p, t, label in read_labelled(args.train_files, "--train_files")]
-        train = [(e[0], label) for e, label in encoded]
-        return train, sum(e[2] for e, _ in encoded), [len(ids) for ids, _ in train]
+        train = [(ids, label) for (ids, _), label in encoded]
+        return train, sum(cut for (_, cut), _ in encoded), [len(ids) for ids, _ in train]
 
     @staticmethod
     def collate(items) -> dict:
@@ -283,8 +284,9 @@ def main(argv=None):
                         f"context)")
 
     # --- data: each side through the chat template, [CLS] prompt [ANS] response [SEP] ------------------------------
-    def encode(prompt, response):
-        return apply_chat_template(prompt, response, tokenizer, args.max_length)
+    def encode(prompt, response):  # -> (input_ids, whether it was cut to --max_length)
+        input_ids, _, truncated = apply_chat_template(prompt, response, tokenizer, args.max_length)
+        return input_ids, truncated
 
     objective = OBJECTIVES[args.objective]
     train, truncated, lengths = objective.examples(args, encode)
@@ -322,10 +324,13 @@ def main(argv=None):
             with stage.accumulate():
                 rewards = model(batch["input_ids"], batch["attention_mask"])["rewards"]  # (2b,) or (b,)
                 loss, correct = objective.loss_and_accuracy(rewards, batch)
-                stage.backward(loss)
+                accelerator.backward(loss)  # divided by the micro-batches; gradients sync on the last one
             step_loss += loss.item() / args.gradient_accumulation_steps
             step_accuracy += correct.item() / args.gradient_accumulation_steps
             tokens += int(batch["attention_mask"].sum())
+        if stage.clip_gradients():  # to --max_grad_norm; False: a non-finite gradient, never applied
+            optimizer.step()
+        optimizer.zero_grad()
         row = {"train_loss": stage.end_step(step_loss, tokens), "train_accuracy": step_accuracy}
         if stage.eval_due:
             result = evaluate_pairs(model, val, tokenizer, args, accelerator)

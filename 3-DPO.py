@@ -204,7 +204,8 @@ def main(argv=None):
                      flops_per_token=flops_per_token)
 
     # the monitors PPO and GRPO report, on the same held-out prompts and draws: what DPO did to the answers
-    held_out = HeldOut(stage, stage.saved, ref, reward_model, read_val_prompts(args), tokenizer, args, context_length)
+    held_out = HeldOut(stage, stage.unwrapped_model, ref, reward_model, read_val_prompts(args), tokenizer, args,
+                       context_length)
 
     def evaluate_and_print() -> dict:
         result = {f"val_{k}": v for k, v in evaluate(policy, ref, val, args, accelerator).items()}
@@ -228,11 +229,14 @@ def main(argv=None):
             with stage.accumulate():
                 loss, chosen, rejected = dpo_loss(*pair_logprobs(policy, batch), ref_chosen, ref_rejected,
                                                   args.beta, args.loss)
-                stage.backward(loss)
+                accelerator.backward(loss)  # divided by the micro-batches; gradients sync on the last one
             step_loss += loss.item() / args.gradient_accumulation_steps
             right = pairs_ranked_right(chosen, rejected).item() / len(chosen)
             step_accuracy += right / args.gradient_accumulation_steps
             tokens += int(batch["attention_mask"].sum())
+        if stage.clip_gradients():  # to --max_grad_norm; False: a non-finite gradient, never applied
+            optimizer.step()
+        optimizer.zero_grad()
         row = {"train_loss": stage.end_step(step_loss, tokens), "train_accuracy": step_accuracy}
         if stage.eval_due:
             row.update(evaluate_and_print())

@@ -39,7 +39,7 @@ from plumbing.cli import (
 )
 from plumbing.flops import training_flops_per_token
 from plumbing.optimizers import make_optimizer
-from plumbing.rollouts import masked_mean, penalise_unfinished, response_logits, rollout, token_logprobs
+from plumbing.rollouts import masked_mean, penalise_unfinished, response_logits, token_logprobs
 from plumbing.training import StageRun, make_accelerator
 
 # max_steps = iterations; rollout_size = prompts per iteration (each answered group_size times); batch_size =
@@ -56,10 +56,8 @@ DEFAULTS = {
     "gpt2-zh-small": dict(max_steps=400, rollout_size=16, group_size=8, batch_size=32, learning_rate=1e-6,
                           warmup_steps=10, eval_every=50, eval_examples=200, max_new_tokens=64, eval_samples=2,
                           save_every=50, kl_coef=0.04),
-    "uer-gpt2-chinese": dict(max_steps=400, rollout_size=16, group_size=8, batch_size=32, learning_rate=1e-6,
-                             warmup_steps=10, eval_every=50, eval_examples=200, max_new_tokens=64, eval_samples=2,
-                             save_every=50, kl_coef=0.04),
 }
+DEFAULTS["uer-gpt2-chinese"] = DEFAULTS["gpt2-zh-small"]  # uer's weights are that size (12 x 768): one recipe
 # --verifier: the verifiable tasks, answers of a few tokens; eval_examples = held-out problems (all of the test
 # split), eval_samples = samples per problem for the aligned policy's sampled pass@1
 TASK_DEFAULTS = {
@@ -70,10 +68,8 @@ TASK_DEFAULTS = {
     "gpt2-zh-small": dict(max_steps=200, rollout_size=32, group_size=8, batch_size=64, learning_rate=1e-6,
                           warmup_steps=10, eval_every=50, eval_examples=1000, max_new_tokens=8, eval_samples=4,
                           save_every=50, kl_coef=0.04),
-    "uer-gpt2-chinese": dict(max_steps=200, rollout_size=32, group_size=8, batch_size=64, learning_rate=1e-6,
-                             warmup_steps=10, eval_every=50, eval_examples=1000, max_new_tokens=8, eval_samples=4,
-                             save_every=50, kl_coef=0.04),
 }
+TASK_DEFAULTS["uer-gpt2-chinese"] = TASK_DEFAULTS["gpt2-zh-small"]  # uer's weights are that size (12 x 768): one recipe
 
 
 def parse_args(argv=None):
@@ -183,7 +179,7 @@ def main(argv=None):
     # --- prompts to practise on, held-out ones to measure the change, the policy and a frozen reference from SFT,
     # and the reward: the frozen RM's score, or a verifier's 1 or 0 (no critic either way) -------------------------
     online = Online(args, tokenizer, device)
-    prompts, ref, context_length = online.prompts, online.ref, online.context_length
+    prompts, context_length = online.prompts, online.context_length
 
     # --- optimizer, Accelerate, and the stage's plumbing (which resumes a run given --resume) -------------------
     optimizer = make_optimizer(online.policy, args.learning_rate, args.weight_decay)
@@ -207,7 +203,7 @@ def main(argv=None):
         group_prompts = [prompts[i] for i in schedule.indices(step, 0, accelerator.process_index)
                          for _ in range(args.group_size)]  # each prompt G times, side by side
         with accelerator.autocast():
-            data = rollout(unwrapped, ref, None, online.score, group_prompts, tokenizer, args, context_length, device)
+            data = online.rollout(unwrapped, group_prompts)  # sampled; log-probs of policy and reference; rewards
         mask = data["response_mask"]  # (B, R)
         check_rewards(data["scores"], group_prompts, stage.step + 1)  # a NaN score stops here, before any update
         scores = penalise_unfinished(data["scores"], data["ended"], args.no_eos_penalty)  # (B,)
@@ -224,7 +220,10 @@ def main(argv=None):
                     logprobs = token_logprobs(logits, data["input_ids"][idx, P:])  # (b, R)
                     loss, clip_fraction, kl = grpo_loss(logprobs, data["logprobs"][idx], data["ref_logprobs"][idx],
                                                         advantages[idx], mask[idx], args.cliprange, args.kl_coef)
-                    stage.backward(loss)
+                    accelerator.backward(loss)
+                if stage.clip_gradients():  # to --max_grad_norm; False: a non-finite gradient, never applied
+                    optimizer.step()
+                optimizer.zero_grad()
                 stats.append(torch.stack([loss, clip_fraction, kl]).detach())
         loss, clip_fraction, kl_per_token = torch.stack(stats).mean(0).tolist()
         row = {"train_loss": stage.end_step(loss, tokens=int(data["attention_mask"].sum())),

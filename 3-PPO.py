@@ -58,7 +58,7 @@ from plumbing.cli import (
 from plumbing.flops import training_flops_per_token
 from plumbing.judge import KL_LIMIT
 from plumbing.optimizers import make_optimizer
-from plumbing.rollouts import masked_mean, penalise_unfinished, rollout, token_logprobs
+from plumbing.rollouts import masked_mean, penalise_unfinished, token_logprobs
 from plumbing.training import StageRun, make_accelerator, mean_over_processes
 
 DEFAULT_TARGET_KL = KL_LIMIT  # nats per response: the KL controller's target, and the flag's budget when beta is fixed
@@ -76,10 +76,8 @@ DEFAULTS = {
     "gpt2-zh-small": dict(max_steps=400, rollout_size=64, batch_size=16, learning_rate=1e-5, warmup_steps=10,
                           eval_every=50, eval_examples=200, max_new_tokens=64, save_every=50, kl_horizon=2560,
                           eval_samples=2, kl_coef=0.05),
-    "uer-gpt2-chinese": dict(max_steps=400, rollout_size=64, batch_size=16, learning_rate=1e-5, warmup_steps=10,
-                             eval_every=50, eval_examples=200, max_new_tokens=64, save_every=50, kl_horizon=2560,
-                             eval_samples=2, kl_coef=0.05),
 }
+DEFAULTS["uer-gpt2-chinese"] = DEFAULTS["gpt2-zh-small"]  # uer's weights are that size (12 x 768): one recipe
 # --verifier: the verifiable tasks (see 3-GRPO.py's TASK_DEFAULTS): answers of a few tokens, rewards of 0 or 1
 TASK_DEFAULTS = {
     "tiny": dict(max_steps=4, rollout_size=8, batch_size=8, learning_rate=1e-4, warmup_steps=0, eval_every=4,
@@ -89,10 +87,8 @@ TASK_DEFAULTS = {
     "gpt2-zh-small": dict(max_steps=200, rollout_size=64, batch_size=32, learning_rate=1e-6, warmup_steps=10,
                           eval_every=50, eval_examples=1000, max_new_tokens=8, save_every=50, kl_horizon=2560,
                           eval_samples=4, kl_coef=0.05),
-    "uer-gpt2-chinese": dict(max_steps=200, rollout_size=64, batch_size=32, learning_rate=1e-6, warmup_steps=10,
-                             eval_every=50, eval_examples=1000, max_new_tokens=8, save_every=50, kl_horizon=2560,
-                             eval_samples=4, kl_coef=0.05),
 }
+TASK_DEFAULTS["uer-gpt2-chinese"] = TASK_DEFAULTS["gpt2-zh-small"]  # uer's weights are that size (12 x 768): one recipe
 
 
 def parse_args(argv=None):
@@ -212,21 +208,13 @@ class PolicyAndCritic(nn.Module):
 CURVES = [("score", "val_score"), ("judge", "val_judge"), ("kl", "val_kl"), "kl_coef", ("entropy", "val_entropy"),
           ("length", "val_length"), ("eos_share", "val_eos_share"), ("distinct_2", "val_distinct_2"),
           ("longest_run", "val_longest_run"), ("clip_fraction", "approx_kl"), "ppo_epochs", "value_loss"]
+PPO_STATS = ("policy_loss", "value_loss", "clip_fraction", "approx_kl")  # what ppo_losses returns, in its order
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    accelerator = make_accelerator(args)
-    check_output_dir(args.output_dir, args.overwrite, args.resume)
-    device = accelerator.device
-    tokenizer = load_tokenizer(args.tokenizer)
-
-    # --- prompts to practise on, held-out ones to measure the gain, the policy and a frozen reference from SFT,
-    # and the reward: the frozen RM's score, or a verifier's 1 or 0 ------------------------------------------------
-    online = Online(args, tokenizer, device)
-    prompts, ref, context_length = online.prompts, online.ref, online.context_length
-    # the critic starts from the RM (InstructGPT): a sensible value scale from the first iteration; with a verifier
-    # there is no RM, so it starts from the SFT model with a head that says 0, the value of a reward not yet seen
+def make_critic(online) -> RewardModel:
+    """The critic V(s): a ``RewardModel`` started from the reward model, as InstructGPT does, so its values have a
+    sensible scale from the first iteration; with a verifier there is no reward model, and it starts from the SFT
+    policy with a head that says 0, the value of a reward not yet seen."""
     critic = RewardModel(online.policy.cfg)
     if online.reward_model is not None:
         critic.load_state_dict(online.reward_model.state_dict())
@@ -234,6 +222,54 @@ def main(argv=None):
         critic.backbone.load_state_dict(online.policy.state_dict())
         torch.nn.init.zeros_(critic.head.weight)
         torch.nn.init.zeros_(critic.head.bias)
+    return critic
+
+
+def ppo_update(model, optimizer, stage, data, advantages, returns, args) -> dict:
+    """The update phase of one iteration: up to ``--ppo_epochs`` passes over the rollout ``data`` in shuffled
+    minibatches of ``--batch_size``, each one gradient step on the clipped policy loss plus ``--vf_coef`` times the
+    clipped value loss (``ppo_losses``) of ``model`` (``PolicyAndCritic``). The passes stop early once a pass's
+    mean approximate KL to the policy that sampled passes ``--max_approx_kl``: the rollout no longer describes the
+    policy. Returns the ``PPO_STATS`` averaged over the minibatches that ran, and ``ppo_epochs``, the passes run."""
+    accelerator = stage.accelerator
+    mask, P, n = data["response_mask"], data["prompt_len"], len(data["input_ids"])
+    R = data["input_ids"].shape[1] - P
+    stats = []  # one row per minibatch, PPO_STATS in order
+    for epoch in range(1, args.ppo_epochs + 1):  # noqa: B007 (read after the loop: the passes run)
+        order = torch.randperm(n)
+        for start in range(0, n, args.batch_size):
+            idx = order[start:start + args.batch_size].to(accelerator.device)
+            with stage.accumulate():
+                out = model(data["input_ids"][idx], data["attention_mask"][idx], logits_to_keep=R + 1)
+                logits = out["logits"][:, :-1]  # (b, R, V): the head reads the response positions only
+                logprobs = token_logprobs(logits, data["input_ids"][idx, P:])  # (b, R)
+                values = out["values"][:, P - 1:-1].float()  # (b, R)
+                policy_loss, value_loss, clip_fraction, approx_kl = ppo_losses(
+                    logprobs, data["logprobs"][idx], advantages[idx], values, data["values"][idx], returns[idx],
+                    mask[idx], args.cliprange, args.cliprange_value)
+                accelerator.backward(policy_loss + args.vf_coef * value_loss)
+            if stage.clip_gradients():  # to --max_grad_norm; False: a non-finite gradient, never applied
+                optimizer.step()
+            optimizer.zero_grad()
+            stats.append(torch.stack([policy_loss, value_loss, clip_fraction, approx_kl]).detach())
+        minibatches = -(-n // args.batch_size)  # this pass's rows of stats
+        pass_kl = torch.stack(stats[-minibatches:])[:, PPO_STATS.index("approx_kl")].mean().item()
+        if args.max_approx_kl and mean_over_processes(accelerator, [pass_kl])[0] > args.max_approx_kl:
+            break
+    return {**dict(zip(PPO_STATS, torch.stack(stats).mean(0).tolist())), "ppo_epochs": epoch}
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    accelerator = make_accelerator(args)
+    check_output_dir(args.output_dir, args.overwrite, args.resume)
+    tokenizer = load_tokenizer(args.tokenizer)
+
+    # --- prompts to practise on, held-out ones to measure the gain, the policy and a frozen reference from SFT,
+    # the reward (the frozen RM's score, or a verifier's 1 or 0) and the critic ---------------------------------------
+    online = Online(args, tokenizer, accelerator.device)
+    prompts, context_length = online.prompts, online.context_length
+    critic = make_critic(online)
 
     # --- optimizer, Accelerate, and the stage's plumbing (which resumes a run given --resume) -----------------------
     trained = PolicyAndCritic(online.policy, critic)
@@ -242,7 +278,7 @@ def main(argv=None):
     trained.eval()  # dropout off everywhere: rollouts and updates see the same network
     unwrapped = accelerator.unwrap_model(trained)
     stage = StageRun("ppo", args, accelerator, trained, optimizer, tokenizer, online.parent,
-                     plot=("curves.png", CURVES), saved=unwrapped.policy, extra={"kl_coef": args.kl_coef},
+                     plot=("curves.png", CURVES), unwrapped_model=unwrapped.policy, extra={"kl_coef": args.kl_coef},
                      write_state=lambda d: save_model(unwrapped.critic, os.path.join(d, "critic.safetensors")),
                      # policy and critic trained on each sampled token --ppo_epochs times (fewer when --max_approx_kl
                      # stops them early: then this is an upper bound; the sampling itself is not counted)
@@ -254,53 +290,33 @@ def main(argv=None):
     held_out = online.held_out(stage, unwrapped.policy)
     sft = held_out.before()  # step 0 of the val_* curves: the SFT policy before any update
 
-    # --- the loop: rollouts, advantages, PPO epochs ------------------------------------------------------------
+    # --- the loop: PPO's algorithm, one iteration per step -------------------------------------------------------
     schedule = BatchSchedule(len(prompts), args.rollout_size, 1, accelerator.num_processes, args.seed)
     for step in stage.steps():
+        # 1. rollouts: answers sampled, then the log-probs of policy and reference, the reward, the critic's values
         batch_prompts = [prompts[i] for i in schedule.indices(step, 0, accelerator.process_index)]
         with accelerator.autocast():  # policy, reference, critic and RM alike: KL is exactly 0 before any update
-            data = rollout(unwrapped.policy, ref, unwrapped.critic, online.score, batch_prompts, tokenizer, args,
-                           context_length, device)
+            data = online.rollout(unwrapped.policy, batch_prompts, critic=unwrapped.critic)
         check_rewards(data["scores"], batch_prompts, stage.step + 1)  # a NaN score stops here, before any update
-        mask = data["response_mask"]
-        beta = stage.extra["kl_coef"]
+        # 2. per-token rewards: the score on the last token, minus beta times the KL to the reference on each
+        mask, beta = data["response_mask"], stage.extra["kl_coef"]
         scores = penalise_unfinished(data["scores"], data["ended"], args.no_eos_penalty)
         rewards = kl_penalised_rewards(scores, data["logprobs"], data["ref_logprobs"], mask, beta)
+        # 3. advantages by GAE from the critic's values, whitened, and the returns the critic learns
         advantages, returns = gae(rewards, data["values"], mask, args.gamma, args.lam)
         advantages = masked_whiten(advantages, mask)
-        # the monitors averaged over every process's rollouts: the KL controller must move beta alike everywhere
+        # the rollout's monitors, averaged over every process's rollouts: beta must move alike everywhere
         monitors = held_out.rollout_row(data)
         monitors = dict(zip(monitors, mean_over_processes(accelerator, list(monitors.values()))))
-
-        P, n = data["prompt_len"], len(batch_prompts)
-        R = data["input_ids"].shape[1] - P
-        stats = []  # one row per minibatch: policy_loss, value_loss, clip_fraction, approx_kl
-        for epoch in range(args.ppo_epochs):  # noqa: B007 (read after the loop: how many epochs ran)
-            order = torch.randperm(n)
-            for start in range(0, n, args.batch_size):
-                idx = order[start:start + args.batch_size].to(device)
-                with stage.accumulate():
-                    out = trained(data["input_ids"][idx], data["attention_mask"][idx], logits_to_keep=R + 1)
-                    logits = out["logits"][:, :-1]  # (b, R, V): the head reads the response positions only
-                    logprobs = token_logprobs(logits, data["input_ids"][idx, P:])  # (b, R)
-                    values = out["values"][:, P - 1:-1].float()  # (b, R)
-                    policy_loss, value_loss, clip_fraction, approx_kl = ppo_losses(
-                        logprobs, data["logprobs"][idx], advantages[idx], values, data["values"][idx],
-                        returns[idx], mask[idx], args.cliprange, args.cliprange_value)
-                    stage.backward(policy_loss + args.vf_coef * value_loss)
-                stats.append(torch.stack([policy_loss, value_loss, clip_fraction, approx_kl]).detach())
-            # early stop: the policy has moved so far from the one that sampled that its rollouts no longer describe it
-            minibatches = -(-n // args.batch_size)  # this epoch's rows of stats
-            epoch_kl = mean_over_processes(accelerator, [torch.stack(stats[-minibatches:])[:, 3].mean().item()])[0]
-            if args.max_approx_kl and epoch_kl > args.max_approx_kl:
-                break
-        policy_loss, value_loss, clip_fraction, approx_kl = torch.stack(stats).mean(0).tolist()
-        stage.end_step(policy_loss + value_loss, tokens=int(data["attention_mask"].sum()))
+        # 4. the clipped updates of policy and critic
+        stats = ppo_update(trained, optimizer, stage, data, advantages, returns, args)
+        stage.end_step(stats["policy_loss"] + stats["value_loss"], tokens=int(data["attention_mask"].sum()))
+        # 5. beta follows the KL of the rollout to the reference (adaptive KL control)
         if args.target_kl > 0:
             stage.extra["kl_coef"] = adaptive_kl_coef(beta, monitors["kl"], args.target_kl,
-                                                      n * accelerator.num_processes, args.kl_horizon)
-        row = {**monitors, "kl_coef": stage.extra["kl_coef"], "clip_fraction": clip_fraction, "approx_kl": approx_kl,
-               "ppo_epochs": epoch + 1, "policy_loss": policy_loss, "value_loss": value_loss}
+                                                      len(batch_prompts) * accelerator.num_processes,
+                                                      args.kl_horizon)
+        row = {**monitors, "kl_coef": stage.extra["kl_coef"], **stats}
         if stage.eval_due and not stage.completed:
             row.update(held_out.val_row(f"iteration {stage.step}"))
         stage.log(row, show=("score", "kl", "kl_coef"))

@@ -29,8 +29,8 @@ from plumbing.checkpoint import CHAT_STAGES, load_backbone, load_checkpoint, par
 from plumbing.cli import UserError, default_path, fill_defaults, positive_int
 from plumbing.devices import forked_rng
 from plumbing.judge import KL_LIMIT, SentimentJudge, reward_hacking_flag, summarize
+from plumbing.markdown import markdown_table
 from plumbing.records import read_prompt_files, read_tasks, shown_prompt
-from plumbing.report import markdown_table
 from plumbing.rollouts import kl_per_response, response_token_lists, rollout
 from plumbing.tasks import TaskHeldOut, score_with_verifier
 from plumbing.verifiers import VERIFIERS
@@ -109,8 +109,9 @@ def _measure_held_out(policy, ref, reward_model, judge, prompts, tokenizer, args
     with forked_rng(device):
         torch.manual_seed(seed)
         score = score_with(reward_model)
-        batches = [rollout(policy, ref, None, score, flat[start:start + HELD_OUT_BATCH], tokenizer, args,
-                           context_length, device) for start in range(0, len(flat), HELD_OUT_BATCH)]
+        batches = [rollout(policy, flat[start:start + HELD_OUT_BATCH], ref=ref, score=score, tokenizer=tokenizer,
+                           args=args, context_length=context_length, device=device)
+                   for start in range(0, len(flat), HELD_OUT_BATCH)]
     monitors, texts = monitors_of(batches, judge, tokenizer)
     scores = torch.cat([data["scores"] for data in batches]).tolist()
     examples = [{"prompt": p, "response": t, "score": round(s, 3)} for p, t, s in zip(flat, texts, scores)]
@@ -376,7 +377,7 @@ class Online:
     """
 
     def __init__(self, args, tokenizer, device):
-        self.args, self.tokenizer = args, tokenizer
+        self.args, self.tokenizer, self.device = args, tokenizer, device
         self.prompts, self.held_out_prompts = read_prompts(args)
         self.policy, parent, self.ref = load_policy_and_ref(args, tokenizer, device)
         if args.verifier:
@@ -391,6 +392,12 @@ class Online:
             self.parent = {**parent, **parent_meta(args.reward, "reward")}
             check_room(args, self.context_length, "the shorter of policy and reward model")
         note_if_not_chat(args)
+
+    def rollout(self, policy, prompts, critic=None) -> dict:
+        """``policy``'s answers to ``prompts`` and their measurements (``rollouts.rollout``): sampled, then the
+        log-probs of the policy and of the reference, the reward, and the values of ``critic`` when given one."""
+        return rollout(policy, prompts, ref=self.ref, score=self.score, tokenizer=self.tokenizer, args=self.args,
+                       context_length=self.context_length, device=self.device, critic=critic)
 
     def held_out(self, stage, policy):
         """The held-out measurement of this reward's path for ``stage``'s (unwrapped) ``policy``."""

@@ -1,5 +1,4 @@
-"""The report card of ``pipeline.py`` (reports/report.md), one function per section, and the table helper every
-Markdown table of the project is built with (``markdown_table``: samples.md files too).
+"""The report card of ``pipeline.py`` (reports/report.md), one function per section.
 
 * ``stage_table`` and ``notes_section``: each stage's wall time, tokens/s and final metrics beside the counting
   baseline it must beat, and what the baselines are;
@@ -25,18 +24,7 @@ from plumbing.cli import UserError, default_path
 from plumbing.flops import format_utilisation, utilisation
 from plumbing.hf_weights import CLASSES, architecture_for
 from plumbing.judge import distinct_n, longest_repeat, reward_hacking_flag
-
-
-def markdown_table(headers, rows) -> str:
-    """A Markdown table: one header row, then one row per item of ``rows`` (each a sequence of cells).
-    ``|`` is escaped and newlines become ``<br>``, so every cell stays in its column."""
-    def cell(value) -> str:
-        return str(value).replace("|", "\\|").replace("\n", "<br>")
-
-    lines = ["| " + " | ".join(map(cell, headers)) + " |", "|" + "---|" * len(headers)]
-    lines += ["| " + " | ".join(map(cell, row)) + " |" for row in rows]
-    return "\n".join(lines) + "\n"
-
+from plumbing.markdown import markdown_table
 
 ALIGNED = ("ppo", "dpo", "grpo")  # the three alignment stages, each from the SFT model, measured alike
 ANSWERING = ("pretrain", "sft") + ALIGNED  # the models that answer the report's prompts

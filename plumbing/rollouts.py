@@ -109,11 +109,12 @@ def response_logits(model, sequences, attention_mask, prompt_len: int):
 
 
 @torch.no_grad()
-def rollout(policy, ref, critic, score, prompts, tokenizer, args, context_length, device):
-    """Sample responses and compute everything PPO and GRPO need about them.
-
-    ``score(data, prompts)`` gives each response its reward (B,): a reward model's (``score_with``) or a
-    verifier's (``tasks.score_with_verifier``).
+def rollout(policy, prompts, *, ref, score, tokenizer, args, context_length, device, critic=None):
+    """Sample responses and compute everything PPO and GRPO need about them: the answers to ``prompts`` sampled
+    with the KV cache (``sample_responses``), then four measurements of them: one forward pass of ``policy``
+    (the log-probs of the sampled tokens and the entropy), one of the frozen ``ref`` (its log-probs, for the KL),
+    ``score(data, prompts)``, each response's reward (B,): a reward model's (``score_with``, one more forward
+    pass) or a verifier's (``tasks.score_with_verifier``), and, given a ``critic``, its values.
 
     Returns a dict: input_ids, attention_mask (B, P+R); response_mask, logprobs, ref_logprobs, entropy, values
     (B, R; no values when ``critic`` is None); scores (B,); ended (B,) bool, whether the response ended with

@@ -27,7 +27,7 @@ from plumbing.batching import pad_left
 from plumbing.checkpoint import weights_digest
 from plumbing.devices import forked_rng
 from plumbing.judge import KL_LIMIT, mean_and_se
-from plumbing.report import markdown_table
+from plumbing.markdown import markdown_table
 from plumbing.rollouts import (
     kl_per_response,
     response_logits,

@@ -317,8 +317,9 @@ class StageRun:
     * ``steps()``: the loop over optimizer steps with the progress bar and the learning-rate schedule
       (``lr_at``); after each step it saves a resumable checkpoint on Ctrl-C/SIGTERM (then ends the loop) or
       every ``--save_every`` steps;
-    * ``accumulate()`` + ``backward(loss)``: one micro-batch under ``accelerator.accumulate`` and autocast, then
-      backward, clipping and the optimizer step (which Accelerate skips until the last micro-batch);
+    * ``accumulate()``: the context of one micro-batch, ``accelerator.accumulate`` and autocast; the stage calls
+      ``accelerator.backward(loss)`` in it, and after its micro-batches ``clip_gradients()``, which clips the norm
+      and says whether the step may be applied, then ``optimizer.step()`` and ``optimizer.zero_grad()``;
     * ``end_step(loss, tokens)``: the loss averaged over processes and checked on every process alike, so a
       non-finite loss on one process stops them all with the same error instead of leaving the others waiting
       in the next collective; the step and token counters;
@@ -335,7 +336,8 @@ class StageRun:
         args: the parsed arguments (``output_dir``, ``resume``, ``max_steps``, ``stop_after``, ``save_every``,
             ``eval_every``, ``max_grad_norm``).
         model, optimizer: as returned by ``accelerator.prepare``.
-        saved: the module whose weights the checkpoint holds (default: the unwrapped ``model``).
+        unwrapped_model: the module whose weights the checkpoint holds (default: ``model`` unwrapped from
+            Accelerate's and ``torch.compile``'s wrappers; PPO gives the policy inside its policy-and-critic module).
         meta: what ``config.json`` records besides the counters (the parent, stage options).
         plot: (file name, metric keys) of the curves PNG written with the final checkpoint.
         extra: JSON counters the stage updates and that resume restores (e.g. PPO's ``kl_coef``).
@@ -344,18 +346,21 @@ class StageRun:
             FLOP/s and MFU in the log, on the bar and in ``config.json``; None logs tokens/s alone.
     """
 
-    def __init__(self, stage: str, args, accelerator, model, optimizer, tokenizer, meta: dict, plot, saved=None,
-                 extra: dict | None = None, write_state=None, flops_per_token: float | None = None):
+    def __init__(self, stage: str, args, accelerator, model, optimizer, tokenizer, meta: dict, plot,
+                 unwrapped_model=None, extra: dict | None = None, write_state=None,
+                 flops_per_token: float | None = None):
         self.stage, self.args, self.accelerator = stage, args, accelerator
         self.model, self.optimizer, self.tokenizer = model, optimizer, tokenizer
-        self.saved = saved if saved is not None else accelerator.unwrap_model(model, keep_torch_compile=False)
+        # the plain module inside Accelerate's (and torch.compile's) wrappers: what is saved, and what generates
+        self.unwrapped_model = (unwrapped_model if unwrapped_model is not None
+                                else accelerator.unwrap_model(model, keep_torch_compile=False))
         self.meta, self.plot, self.extra, self.write_state = meta, plot, dict(extra or {}), write_state
         self.step, self.tokens_seen, self.metrics = 0, 0, MetricsLog()
         self.results = {}  # final metrics for config.json beside the latest val_* values
         self.files = {}  # {file name: fn(path)}: the stage's own files (e.g. samples.md), written at each save
         self.exit_code = None  # set when Ctrl-C/SIGTERM ended the loop
         self.lr = None  # the learning rate of the current step, set by steps()
-        self.bad_gradient = None  # the non-finite gradient norm of a step that backward() did not apply
+        self.bad_gradient = None  # the non-finite gradient norm of a step that clip_gradients() held back
         # tokens are counted over all processes, so the peak they are measured against is that of all their devices
         peak = peak_flops(accelerator.device)
         self.flops_per_token, self.peak_flops = flops_per_token, peak and peak * accelerator.num_processes
@@ -377,7 +382,7 @@ class StageRun:
     def _resume(self) -> None:
         """Load the weights, optimizer, RNG, counters and metrics saved in ``--output_dir``; refuse (``UserError``)
         when this run's settings differ from the saved run's, which would make a different run than the one saved."""
-        load_weights_into(self.saved, self.args.output_dir)
+        load_weights_into(self.unwrapped_model, self.args.output_dir)
         trainer = load_training_state(os.path.join(self.args.output_dir, "state"), self.optimizer, self.accelerator)
         check_same_settings(trainer.get("settings"), run_settings(self.args), self.args.output_dir)
         self.step, self.tokens_seen = trainer["step"], trainer.get("tokens_seen", 0)
@@ -418,31 +423,30 @@ class StageRun:
         stack.enter_context(self.accelerator.autocast())
         return stack
 
-    def backward(self, loss) -> None:
-        """Backward (Accelerate divides by the accumulation steps once), then on the last micro-batch of the step
-        clip the gradient norm to ``--max_grad_norm``, step the optimizer and zero the gradients.
+    def clip_gradients(self) -> bool:
+        """Clip the gradient norm to ``--max_grad_norm`` once a step's micro-batches are all in, and say whether
+        the optimizer may apply the gradients: ``False`` when their norm is not finite. The stage's loop then
+        skips ``optimizer.step()`` (the weights stay as they were) and ``end_step`` stops the run with a one-line
+        error, so such a gradient is never applied. Before the last micro-batch of a step (Accelerate's
+        ``sync_gradients`` is false) it does nothing and says ``True``: Accelerate's optimizer does not step there.
 
-        A gradient whose norm is not finite is never applied: the step is skipped (the weights stay as they were)
-        and ``end_step`` stops the run with a one-line error. The norm is of the synced gradients, the same on
-        every process, so all skip alike. (Under fp16, Accelerate's loss scaler handles overflows itself.)"""
-        self.accelerator.backward(loss)
-        if self.accelerator.sync_gradients:
-            norm = self.accelerator.clip_grad_norm_(self.model.parameters(), self.args.max_grad_norm)
-            # under fp16 the loss scaler skips an overflowing step itself and lowers its scale: that is no error
-            if norm is not None and self.accelerator.scaler is None and not torch.isfinite(torch.as_tensor(norm)):
-                self.bad_gradient = float(norm)
-                self.optimizer.zero_grad()
-                return
-        self.optimizer.step()  # Accelerate's optimizer steps only once the gradients are synced
-        self.optimizer.zero_grad()
+        The norm is of the synced gradients, the same on every process, so all processes skip alike. Under fp16
+        Accelerate's loss scaler skips an overflowing step itself and lowers its scale: no error then."""
+        if not self.accelerator.sync_gradients:
+            return True
+        norm = self.accelerator.clip_grad_norm_(self.model.parameters(), self.args.max_grad_norm)
+        if norm is not None and self.accelerator.scaler is None and not torch.isfinite(torch.as_tensor(norm)):
+            self.bad_gradient = float(norm)
+            return False
+        return True
 
     def end_step(self, loss: float, tokens: int = 0) -> float:
         """Close a step: ``loss`` (this process's mean over its micro-batches) averaged over processes and
         ``tokens`` (real tokens this process read) summed, in one collective; then the counters and the bar.
 
         Raises:
-            UserError: on every process alike, when the loss is not finite on any of them, or when ``backward``
-                skipped a step whose gradient was not finite.
+            UserError: on every process alike, when the loss is not finite on any of them, or when
+                ``clip_gradients`` held back a step whose gradient was not finite.
         """
         if self.accelerator.num_processes > 1:
             values = torch.tensor([loss, float(tokens)], dtype=torch.float64, device=self.accelerator.device)
@@ -508,8 +512,8 @@ class StageRun:
                 if self.write_state is not None:
                     self.write_state(state_dir)
 
-            save_checkpoint(self.args.output_dir, self.saved, self.tokenizer, meta, None if final else write_state,
-                            files)
+            save_checkpoint(self.args.output_dir, self.unwrapped_model, self.tokenizer, meta,
+                            None if final else write_state, files)
         self.accelerator.wait_for_everyone()
 
     def save_before_final_evaluation(self) -> None:

@@ -119,3 +119,56 @@ def test_a_plain_run_records_its_precision(tmp_path, tiny_corpus):
     assert result.returncode == 0, result.stderr[-2000:]
     config = json.loads((tmp_path / "pt" / "config.json").read_text(encoding="utf-8"))
     assert config["mixed_precision"] == ("bf16" if training.native_bf16() else "no")
+
+
+def run_steps(tmp_path, micro_batches, gradient_accumulation_steps, max_grad_norm=100.0):
+    """Two optimizer steps of the loop every stage writes (``stage.accumulate()``, ``accelerator.backward``,
+    ``stage.clip_gradients()``, ``optimizer.step()``, ``optimizer.zero_grad()``) on a linear model, SGD at rate 1,
+    the rows of ``micro_batches`` (a list of (x, y)) taken ``gradient_accumulation_steps`` at a time. Returns the
+    weights after each step."""
+    import types
+
+    import torch
+    from accelerate import Accelerator
+
+    from plumbing.training import StageRun
+
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=gradient_accumulation_steps)
+    torch.manual_seed(0)
+    model = torch.nn.Linear(3, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    args = types.SimpleNamespace(output_dir=str(tmp_path), resume=False, max_steps=2, stop_after=None,
+                                 save_every=None, eval_every=2, max_grad_norm=max_grad_norm, learning_rate=1.0,
+                                 warmup_steps=0)
+    stage = StageRun("test", args, accelerator, model, optimizer, None, {}, plot=("c.png", []))
+    weights, batches = [], iter(micro_batches)
+    for _ in stage.steps():
+        for _ in range(gradient_accumulation_steps):
+            x, y = next(batches)
+            with stage.accumulate():
+                accelerator.backward(torch.nn.functional.mse_loss(model(x), y))
+        if stage.clip_gradients():
+            optimizer.step()
+        optimizer.zero_grad()
+        stage.end_step(0.0)
+        weights.append(torch.cat([p.detach().flatten().clone() for p in model.parameters()]))
+    return weights
+
+
+def test_accumulated_micro_batches_make_the_step_of_the_whole_batch(tmp_path):
+    """Two micro-batches of 2 with --gradient_accumulation_steps 2 move the weights as one batch of 4 does (the loss
+    divided by the micro-batch count once, one optimizer step per step); and the gradient norm is clipped to
+    --max_grad_norm: with SGD at rate 1 the step's length is the clipped norm."""
+    import torch
+
+    torch.manual_seed(1)
+    x, y = torch.randn(8, 3), torch.randn(8, 1) * 10
+    whole = run_steps(tmp_path / "a", [(x[:4], y[:4]), (x[4:], y[4:])], 1)
+    accumulated = run_steps(tmp_path / "b", [(x[i:i + 2], y[i:i + 2]) for i in range(0, 8, 2)], 2)
+    for a, b in zip(whole, accumulated):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    start = run_steps(tmp_path / "c", [(x[:4], y[:4])] * 2, 1, max_grad_norm=0.5)
+    torch.manual_seed(0)
+    initial = torch.cat([p.detach().flatten() for p in torch.nn.Linear(3, 1).parameters()])
+    assert (start[0] - initial).norm().item() == pytest.approx(0.5, rel=1e-5)  # the norm was far above 0.5
