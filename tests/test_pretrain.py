@@ -310,11 +310,10 @@ def test_a_killed_runs_half_written_token_file_is_removed_and_sigterm_cleans_up(
     proc = subprocess.Popen([sys.executable, "0-PRETRAIN.py", "--preset", "tiny", "--train_files", str(big),
                              "--val_files", str(docs), "--output_dir", str(tmp_path / "out")], cwd=REPO_ROOT, env=env,
                             stderr=subprocess.PIPE, text=True)
-    seen = ""
-    while "tokenizing train" not in seen:  # the progress bar is on stderr
-        seen += proc.stderr.read(1)
-        assert proc.poll() is None, seen
-    time.sleep(0.5)
+    deadline = time.monotonic() + 120
+    while not [p for p in (tmp_path / "cache").rglob("*.tmp") if "gpt2-zh-tokens" in str(p)]:
+        assert proc.poll() is None and time.monotonic() < deadline, "0-PRETRAIN never started tokenizing"
+        time.sleep(0.005)  # the half-written token file exists: the run is tokenizing now
     proc.send_signal(signal.SIGTERM)
     rest = proc.stderr.read()
     assert proc.wait(timeout=60) == 128 + signal.SIGTERM
