@@ -1,8 +1,7 @@
-"""Tests of data/prepare.py: the real build (counts, vocabulary, split hygiene, idempotence, failure handling) and
-its cleaning/splitting functions on small hand-written inputs."""
+"""Tests of data/prepare.py: the real build (counts, vocabulary, split hygiene, idempotence, failure handling, the
+pinned bytes of every output) and the functions of its package data/prep/ on small hand-written inputs."""
 
 import hashlib
-import importlib.util
 import json
 import re
 import subprocess
@@ -16,10 +15,8 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = REPO_ROOT / "data" / "prepare.py"
 DATA = REPO_ROOT / "data"
 
-_spec = importlib.util.spec_from_file_location("data_prepare", SCRIPT)
-prepare = importlib.util.module_from_spec(_spec)
-sys.modules["data_prepare"] = prepare  # dataclasses look their module up here
-_spec.loader.exec_module(prepare)
+sys.path.insert(0, str(DATA))  # the package data/prep/, standard library only like the script
+from prep import outputs, pairs, parsers, reviews, sources, splits  # noqa: E402
 
 
 def run_prepare(*args, timeout=1800):
@@ -70,6 +67,36 @@ def test_manifest_counts_match_files(built):
         assert src["licence"] and len(src["sha256"]) == 64 and src["version"], name
 
 
+# The sha256 of every data file of the default build (no --with-poetry). A change to data/prepare.py or data/prep/
+# that moves one byte fails here: a refactor must leave the data as it was. When the data is meant to change, run
+# `python data/prepare.py` and copy the new hashes from data/MANIFEST.json, and say in the commit why they changed.
+PINNED_SHA256 = {
+    "ppo/prompts.jsonl": "286da95a540587a8f0a5a62d39e34c3bcd21f3abbfa54a399247a4b0f4c1fc44",
+    "ppo/val_prompts.jsonl": "ac0595d26d6180b0d65534df25a5f231616f1d897601b3a6831cf9e9e599af88",
+    "pretrain/train.jsonl": "ebd1b8fe32e4048845992f9415eb590e0471eae92fcf3d1645935e98018c433c",
+    "pretrain/val.jsonl": "30f265d085a53eda3040d9c81f6e862bcb772467b2345de8e88894059756eb81",
+    "rm/test.jsonl": "435e5def17d299b4fa8e6d570dab2f68c16b9379153bce8349d9051931722ae3",
+    "rm/train.jsonl": "3e35181e0549eed95f0db3d79df70dc1785000962d909f43464136c998ad25f0",
+    "rm/val.jsonl": "7e67263bf47694e6bf38405ab5059e3131606ca65f50490aa1c96b34518de471",
+    "sft/train.jsonl": "d1c227b00ebdd020ac15ed416a24add2870844fda62e95b7878e46fb10588a68",
+    "sft/val.jsonl": "198f7cb8611485c7fb6e2e32440acb981a922cb7cf61a23d0795dbf517dc766e",
+    "tasks/sft.jsonl": "2ae3bfc4c75af9b9927c78c227f9418ea3a516088906e402a16552275976df55",
+    "tasks/test.jsonl": "804e57e606cd845bb95ea3f8f6ae71f4e4238f156bff7f12d76f56af344fc9f6",
+    "tasks/train.jsonl": "f14db8bce9ed60d27e5c636680590f427dd60d54e598e742747b5afa2d0cb6a6",
+    "tasks/val.jsonl": "b6abde625e2826e5c63649045ae85291d6407265fcd9dc798276ee2eb6c2cbc3",
+}
+
+
+def test_every_output_is_the_pinned_bytes(built):
+    manifest = json.loads((built / "MANIFEST.json").read_text(encoding="utf-8"))["outputs"]
+    if manifest["pretrain/train.jsonl"]["records"] != 2943:
+        pytest.skip("the data was built --with-poetry; the pinned hashes are those of the default build")
+    changed = {rel: manifest[rel]["sha256"][:12] for rel, sha in PINNED_SHA256.items()
+               if manifest[rel]["sha256"] != sha}
+    assert not changed, f"outputs whose bytes changed: {changed}"
+    assert {rel: hashlib.sha256((built / rel).read_bytes()).hexdigest() for rel in PINNED_SHA256} == PINNED_SHA256
+
+
 def test_vocab_md5_and_size(built):
     vocab = (built / "tokenizer" / "vocab.txt").read_bytes()
     assert hashlib.md5(vocab).hexdigest() == "3b5b76c4aef48ecf8cb3abaafe960f09"
@@ -91,7 +118,7 @@ def test_sizes_are_as_designed(built):
     assert sum(len(r["text"]) for r in train + val) > 2_000_000  # People's Daily + 三国演义
     sft = read_jsonl(built / "sft/train.jsonl") + read_jsonl(built / "sft/val.jsonl")
     assert 3000 <= len(sft) <= 20000
-    assert max(len(r["response"]) for r in sft) <= prepare.MAX_RESPONSE_CHARS
+    assert max(len(r["response"]) for r in sft) <= pairs.MAX_RESPONSE_CHARS
     assert 20 <= len(read_jsonl(built / "ppo/val_prompts.jsonl")) <= 100
 
 
@@ -194,7 +221,7 @@ def test_a_bad_flag_is_a_one_line_error(flag):
 @pytest.mark.parametrize("mode", [[], ["--tokenizer-only"]])
 def test_wrong_sha256_exits_2_and_keeps_outputs(tmp_path, mode):
     data, cache = tmp_path / "data", tmp_path / "cache"
-    src = prepare.SOURCES["cn-clip"]
+    src = sources.SOURCES["cn-clip"]
     (cache / src.name).mkdir(parents=True)
     (cache / src.name / src.filename).write_bytes(b"not the pinned wheel")
     old = {"tokenizer/vocab.txt": b"old vocab\n", "MANIFEST.json": b"{}\n", "sft/train.jsonl": b'{"a": 1}\n'}
@@ -213,8 +240,8 @@ def test_wrong_sha256_exits_2_and_keeps_outputs(tmp_path, mode):
 def test_corrupt_archive_is_a_prepare_error(tmp_path):
     bad = tmp_path / "x.whl"
     bad.write_bytes(b"PK\x03\x04 truncated")
-    with pytest.raises(prepare.PrepareError, match="cn-clip"):
-        prepare.Archive(bad, prepare.SOURCES["cn-clip"]).read("cn_clip/clip/vocab.txt")
+    with pytest.raises(sources.PrepareError, match="cn-clip"):
+        sources.Archive(bad, sources.SOURCES["cn-clip"]).read("cn_clip/clip/vocab.txt")
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -223,90 +250,90 @@ def test_corrupt_archive_is_a_prepare_error(tmp_path):
 
 def test_strip_pos_tags_plain_and_with_id():
     tagged = "迈向/v  充满/v  希望/n  的/u  新/a  世纪/n  。/w"
-    assert prepare.strip_pos_tags(tagged) == (None, "迈向充满希望的新世纪。")
-    art, text = prepare.strip_pos_tags("19980101-01-001-002/m  [中央/n  电视台/n]nt  播出/v  Windows/nx  98/m")
+    assert parsers.strip_pos_tags(tagged) == (None, "迈向充满希望的新世纪。")
+    art, text = parsers.strip_pos_tags("19980101-01-001-002/m  [中央/n  电视台/n]nt  播出/v  Windows/nx  98/m")
     assert art == "19980101-01-001"
     assert text == "中央电视台播出Windows 98"
-    assert prepare.strip_pos_tags("江/nr  泽民/nr  １２月/t") == (None, "江泽民１２月")  # full-width kept
+    assert parsers.strip_pos_tags("江/nr  泽民/nr  １２月/t") == (None, "江泽民１２月")  # full-width kept
 
 
 def test_people_daily_articles_by_id_and_by_headline():
     with_ids = ("19980101-01-001-001/m  标题/n  一/m\r\n19980101-01-001-002/m  正文/n  。/w\n"
                 "19980101-01-002-001/m  另/r  一/m  篇/q  。/w\n")
-    assert prepare.people_daily_articles(with_ids) == ["标题一\n正文。", "另一篇。"]
+    assert parsers.people_daily_articles(with_ids) == ["标题一\n正文。", "另一篇。"]
     body = "  。/w  ".join(["很/d  长/a  的/u  句子/n"] * 20) + "  。/w"
     no_ids = "\n".join(["第一/m  篇/q", body, body, "第二/m  篇/q  （/w  附/v  图片/n  １/m  张/q  ）/w", body])
-    docs = prepare.people_daily_articles(no_ids)
+    docs = parsers.people_daily_articles(no_ids)
     assert len(docs) == 2
     assert docs[0].startswith("第一篇\n很长的句子。") and docs[1].startswith("第二篇（附图片１张）\n")
 
 
 def test_clean_paragraphs_and_newlines():
-    assert prepare.clean_paragraphs("\t第一段，\r\n\r\n  　第二段！\r第三段") == ["第一段，", "第二段！", "第三段"]
-    assert prepare.clean_line(" 你好\r\n  世界 ") == "你好 世界"
+    assert parsers.clean_paragraphs("\t第一段，\r\n\r\n  　第二段！\r第三段") == ["第一段，", "第二段！", "第三段"]
+    assert parsers.clean_line(" 你好\r\n  世界 ") == "你好 世界"
 
 
 def test_sanguo_chapters():
     raw = json.dumps(["第一回 标题\n\n  \n\t正文一。\n\n\t正文二。", "   "], ensure_ascii=False)
-    assert prepare.sanguo_chapters(raw) == ["第一回 标题\n正文一。\n正文二。"]
+    assert parsers.sanguo_chapters(raw) == ["第一回 标题\n正文一。\n正文二。"]
 
 
 def test_parse_tab_pairs_crlf():
-    assert prepare.parse_tab_pairs("一丈厚的烧饼\t吃不透\r\n坏行\r\n空\t \r\n") == [("一丈厚的烧饼", "吃不透")]
+    assert parsers.parse_tab_pairs("一丈厚的烧饼\t吃不透\r\n坏行\r\n空\t \r\n") == [("一丈厚的烧饼", "吃不透")]
 
 
 def test_parse_chatterbot_yaml():
     text = ("categories:\n- 问候\nconversations:\n- - 你好\n  - '你好，''朋友'' '\n  - \"「我知道。」\"\n"
             "- - 1963年?\n  - '1963'\n")
-    assert prepare.parse_chatterbot_yaml(text) == [["你好", "你好，'朋友'", "「我知道。」"], ["1963年?", "1963"]]
+    assert parsers.parse_chatterbot_yaml(text) == [["你好", "你好，'朋友'", "「我知道。」"], ["1963年?", "1963"]]
     with pytest.raises(ValueError):
-        prepare.parse_chatterbot_yaml("conversations:\n- - a\n  - |\n    block\n")
-    assert prepare.chat_pairs([["a", "b", "c"], ["a", "b"]]) == {"a": [("a", "b")], "b": [("b", "c")]}
+        parsers.parse_chatterbot_yaml("conversations:\n- - a\n  - |\n    block\n")
+    assert pairs.chat_pairs([["a", "b", "c"], ["a", "b"]]) == {"a": [("a", "b")], "b": [("b", "c")]}
 
 
 def test_clean_definition_and_review():
-    assert prepare.clean_definition("1.撤回军队。") == "撤回军队。"
-    assert prepare.clean_definition("1.清晨的风。 2.鸟名。") == "1.清晨的风。 2.鸟名。"
-    assert prepare.clean_review("2、服务 很好。") == "服务 很好。"
-    assert prepare.clean_review("1 发热有点大") == "发热有点大"
-    assert prepare.clean_review("2G内存不够") == "2G内存不够"
+    assert pairs.clean_definition("1.撤回军队。") == "撤回军队。"
+    assert pairs.clean_definition("1.清晨的风。 2.鸟名。") == "1.清晨的风。 2.鸟名。"
+    assert reviews.clean_review("2、服务 很好。") == "服务 很好。"
+    assert reviews.clean_review("1 发热有点大") == "发热有点大"
+    assert reviews.clean_review("2G内存不够") == "2G内存不够"
 
 
 def test_assign_split_is_order_free_and_deterministic():
     texts = [f"文档{i}" for i in range(2000)]
-    a = {t: prepare.assign_split(t, "s", [("val", 0.1)], "train") for t in texts}
-    b = {t: prepare.assign_split(t, "s", [("val", 0.1)], "train") for t in reversed(texts)}
+    a = {t: splits.assign_split(t, "s", [("val", 0.1)], "train") for t in texts}
+    b = {t: splits.assign_split(t, "s", [("val", 0.1)], "train") for t in reversed(texts)}
     assert a == b
     assert 120 <= sum(v == "val" for v in a.values()) <= 280
-    splits = prepare.split_documents(texts + texts[:50], 0.1)
-    assert len(splits["train"]) + len(splits["val"]) == 2000
-    assert not set(splits["train"]) & set(splits["val"])
-    assert splits == prepare.split_documents(list(reversed(texts)), 0.1)
+    documents = splits.split_documents(texts + texts[:50], 0.1)
+    assert len(documents["train"]) + len(documents["val"]) == 2000
+    assert not set(documents["train"]) & set(documents["val"])
+    assert documents == splits.split_documents(list(reversed(texts)), 0.1)
 
 
 def test_near_duplicates_by_hand():
     """Containment either way after dropping punctuation and case, a shared 20-character start, and nothing for
     texts shorter than 6 characters or merely similar ones."""
-    assert prepare.near_dup_form("收到后，包装完好。 OK!") == "收到后包装完好ok"
+    assert splits.near_dup_form("收到后，包装完好。 OK!") == "收到后包装完好ok"
     texts = ["网上买数码产品就害怕旧货，收到后包装完好，笔记本封条完好，放心",  # 0: holds query 1 below
              "屏幕",  # 1: too short to count
              "房间很干净服务员也很热情早餐品种很多味道不错下次还来",  # 2: its first 22 characters start a query below
              "天气" * 300 + "收到后包装完好笔记本封条完好" + "天气" * 10]  # 3: a long document
-    index = prepare.NearDupIndex(texts)
+    index = splits.NearDupIndex(texts)
     assert index.matches("收到后，包装完好。笔记本封条完好！") == [-1, 0]  # inside text 0 and the long document
     long_review = "网上买数码产品就害怕旧货，收到后包装完好，笔记本封条完好，放心，推荐购买"
     assert index.matches(long_review) == [0]  # contains it
     assert index.matches("屏幕很好") == []  # "屏幕" is shorter than 6 characters
     assert index.matches("房间很干净，服务员也很热情，早餐品种很多，味道不错，就是价格贵") == [2]
     assert index.matches("房间很干净，服务员也很热情，早餐一般") == []  # only 14 characters in common at the start
-    assert prepare.count_near_duplicates(["收到后包装完好笔记本", "毫不相干的一句话啊"], texts) == 1
+    assert splits.count_near_duplicates(["收到后包装完好笔记本", "毫不相干的一句话啊"], texts) == 1
 
 
 def test_near_duplicate_groups_chain_and_key():
     a, b, c = ("收到后包装完好笔记本封条完好", "网上买数码产品最怕买到旧货，收到后包装完好，笔记本封条完好",
                "网上买数码产品最怕买到旧货，收到后包装完好，但是有划痕")
     d = "完全不同的另一条评论内容"
-    groups = prepare.near_duplicate_groups([a, b, c, d])
+    groups = splits.near_duplicate_groups([a, b, c, d])
     assert groups[a] == groups[b] == groups[c] == min(a, b, c)  # a inside b; b and c start alike
     assert groups[d] == d
 
@@ -316,7 +343,7 @@ def test_near_duplicate_reviews_share_a_split():
     base = [f"第{i}次入住这家酒店，服务真的很好，房间也很干净，下次还会再来" for i in range(200)]
     copies = [t[:t.index("，下次")] + "。" for t in base]  # each a truncated copy of a review
     neg = "\n".join(f"这本书的内容实在太差了第{i}页" for i in range(200))
-    out = prepare.build_reviews("\n".join(base + copies), neg)
+    out = reviews.build_reviews("\n".join(base + copies), neg)
     where = {x: s for s in ("train", "val", "test") for r in out["rm"][s] for x in (r["chosen"],)}
     where |= {x: "train" for x in out["sft_units"]}
     pairs = [(where.get(t), where.get(c)) for t, c in zip(base, copies) if t in where and c in where]
@@ -327,7 +354,7 @@ def test_near_duplicate_reviews_share_a_split():
 def test_build_reviews_on_small_text():
     pos = "\n".join(f"这家酒店的服务真的很好第{i}次" for i in range(300)) + "\n两个文件都有的一句话\n短\n"
     neg = "\n".join(f"这本书的内容实在太差了第{i}页" for i in range(300)) + "\n两个文件都有的一句话\n"
-    out = prepare.build_reviews(pos, neg)
+    out = reviews.build_reviews(pos, neg)
     assert out["counts"] == {"positive_lines": 300, "negative_lines": 300, "in_both_dropped": 1,
                              "near_duplicate_groups": 600}
     test_lines = {x for r in out["rm"]["test"] for x in (r["chosen"], r["rejected"])}
@@ -338,14 +365,14 @@ def test_build_reviews_on_small_text():
     val_lines = {x for r in out["rm"]["val"] for x in (r["chosen"], r["rejected"])}
     assert not val_lines & set(out["sft_units"])
     assert all("好评" in r["prompt"] for r in out["ppo"] + out["ppo_val"])
-    assert out == prepare.build_reviews(pos, neg)
+    assert out == reviews.build_reviews(pos, neg)
 
 
 def test_poetry_documents_nested_and_simplified():
     node = {"title": "集", "content": [{"title": "卷一", "content": [
         {"chapter": "第一篇", "paragraphs": ["學而時習之，", "不亦說乎？"]}]}, {"content": "單行。"}]}
     t2s = {"學": "学", "時": "时", "習": "习", "說": "说", "單": "单"}
-    assert prepare.poetry_documents(node, t2s) == ["第一篇\n学而时习之，\n不亦说乎？", "单行。"]
+    assert parsers.poetry_documents(node, t2s) == ["第一篇\n学而时习之，\n不亦说乎？", "单行。"]
 
 
 def test_written_files_follow_the_umask(tmp_path):
@@ -354,7 +381,7 @@ def test_written_files_follow_the_umask(tmp_path):
 
     old = os.umask(0o027)
     try:
-        prepare.write_atomic(tmp_path / "sub" / "out.jsonl", b"{}\n")
+        outputs.write_atomic(tmp_path / "sub" / "out.jsonl", b"{}\n")
     finally:
         os.umask(old)
     assert (tmp_path / "sub" / "out.jsonl").stat().st_mode & 0o777 == 0o640

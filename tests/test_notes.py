@@ -52,9 +52,10 @@ LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 
 
 def code_files():
-    """The files a note explains: the root's scripts, the package's modules and data/prepare.py."""
+    """The files a note explains: the root's scripts, the package's modules, data/prepare.py and its package's."""
     package = [p for p in sorted((ROOT / "plumbing").glob("*.py")) if p.name != "__init__.py"]
-    return sorted(ROOT.glob("*.py")) + package + [ROOT / "data" / "prepare.py"]
+    data = [p for p in sorted((ROOT / "data" / "prep").glob("*.py")) if p.name != "__init__.py"]
+    return sorted(ROOT.glob("*.py")) + package + [ROOT / "data" / "prepare.py"] + data
 
 
 # --- symbols of a code file ----------------------------------------------------------------------------------------
