@@ -121,6 +121,20 @@ def write_samples(path: str, table: list[dict], step: int) -> None:
             f.write(samples_markdown(table, step))
 
 
+def read_pairs(args, split: str, tokenizer, max_length: int, print_=print) -> ChatPairs:
+    """The conversations of ``--{split}_files`` (``split``: train or val) encoded to at most ``max_length``
+    positions; prints a warning when some had to be cut.
+
+    Raises:
+        UserError: a file is missing or malformed (``read_chat_pairs``).
+    """
+    pairs = ChatPairs(read_chat_pairs(getattr(args, f"{split}_files"), f"--{split}_files", args.system), tokenizer,
+                      max_length)
+    if pairs.truncation_warning(split):
+        print_(pairs.truncation_warning(split))
+    return pairs
+
+
 def main(argv=None):
     args = parse_args(argv)
     accelerator = make_accelerator(args)
@@ -136,11 +150,7 @@ def main(argv=None):
 
     # --- data: pairs -> [CLS] prompt [ANS] response [SEP] -> (inputs, response-only labels) ----------------------
     # (a conversation of several turns: [CLS] user [ANS] assistant [SEP] user [ANS] ..., every assistant turn learned)
-    train = ChatPairs(read_chat_pairs(args.train_files, "--train_files", args.system), tokenizer, max_length)
-    val = ChatPairs(read_chat_pairs(args.val_files, "--val_files", args.system), tokenizer, max_length)
-    for pairs, what in ((train, "train"), (val, "val")):
-        if pairs.truncation_warning(what):
-            accelerator.print(pairs.truncation_warning(what))
+    train, val = (read_pairs(args, split, tokenizer, max_length, accelerator.print) for split in ("train", "val"))
     # Batches of similar length waste little padding; the schedule shuffles whole batches, one per micro-batch.
     batches = length_grouped_batches(train.lengths, args.batch_size)
     eval_pairs = sorted(spread_subset(len(val), args.eval_examples), key=lambda i: val.lengths[i])

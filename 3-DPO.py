@@ -134,6 +134,27 @@ def encode_pairs(pairs, tokenizer, max_length: int) -> tuple[list[tuple], int, i
     return encoded, cut, dropped
 
 
+def read_pairs(args, tokenizer, print_=print) -> tuple[list[tuple], list[tuple], list[list[int]]]:
+    """The encoded training pairs, ``--eval_examples`` encoded val pairs, and the training pairs' batches of similar
+    length (``length_grouped_batches``); prints how many pairs were cut or dropped.
+
+    Raises:
+        UserError: a preference file is missing or malformed (``read_preference_pairs``).
+    """
+    train, cut, dropped = encode_pairs(read_preference_pairs(args.train_files, "--train_files"), tokenizer,
+                                       args.max_length)
+    if dropped:
+        print_(f"warning: dropped {dropped} training pair(s) that keep no response token within "
+               f"--max_length {args.max_length}; raise --max_length or shorten their prompts")
+    val_pairs = read_preference_pairs(args.val_files, "--val_files")
+    val, _, _ = encode_pairs([val_pairs[i] for i in spread_subset(len(val_pairs), args.eval_examples)], tokenizer,
+                             args.max_length)
+    batches = length_grouped_batches([max(len(c[0]), len(r[0])) for c, r in train], args.batch_size)
+    print_(f"train: {len(train)} pairs ({cut} cut to {args.max_length} tokens), {len(batches)} batches "
+           f"of <= {args.batch_size}; val: {len(val)} pairs; beta {args.beta}, {args.loss} loss")
+    return train, val, batches
+
+
 def collate_pairs(items) -> dict:
     """Pairs -> one right-padded (2b, T) batch: the b chosen sequences first, then the b rejected ones."""
     return collate_chat([chosen for chosen, _ in items] + [rejected for _, rejected in items])
@@ -180,17 +201,7 @@ def main(argv=None):
                         f"context)")
 
     # --- data: preference pairs through the chat template, [CLS] prompt [ANS] answer [SEP] ------------------------
-    train, cut, dropped = encode_pairs(read_preference_pairs(args.train_files, "--train_files"), tokenizer,
-                                       args.max_length)
-    if dropped:
-        accelerator.print(f"warning: dropped {dropped} training pair(s) that keep no response token within "
-                          f"--max_length {args.max_length}; raise --max_length or shorten their prompts")
-    val_pairs = read_preference_pairs(args.val_files, "--val_files")
-    val, _, _ = encode_pairs([val_pairs[i] for i in spread_subset(len(val_pairs), args.eval_examples)], tokenizer,
-                             args.max_length)
-    batches = length_grouped_batches([max(len(c[0]), len(r[0])) for c, r in train], args.batch_size)
-    accelerator.print(f"train: {len(train)} pairs ({cut} cut to {args.max_length} tokens), {len(batches)} batches "
-                      f"of <= {args.batch_size}; val: {len(val)} pairs; beta {args.beta}, {args.loss} loss")
+    train, val, batches = read_pairs(args, tokenizer, accelerator.print)
     schedule = BatchSchedule(len(batches), 1, args.gradient_accumulation_steps, accelerator.num_processes, args.seed)
 
     # --- optimizer, Accelerate, and the stage's plumbing (which resumes a run given --resume) -------------------

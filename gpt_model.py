@@ -712,6 +712,39 @@ def unwrap_compiled(model: nn.Module) -> nn.Module:
     return getattr(model, "_orig_mod", model)
 
 
+def fitted_context(model, context_size: int, eos_id: int | None) -> int:
+    """``context_size`` clamped to the model's ``cfg.context_length`` (it has no positions past it: a longer window
+    would fail once the text outgrows it).
+
+    Raises:
+        ValueError: ``context_size`` < 1, or an ``eos_id`` outside the model's vocabulary (it could never be
+            sampled, so generation would never stop).
+    """
+    if context_size < 1:
+        raise ValueError(f"context_size must be >= 1, got {context_size}")
+    cfg = getattr(model, "cfg", None)
+    if cfg is None:
+        return context_size
+    if eos_id is not None and not 0 <= eos_id < cfg.vocab_size:
+        raise ValueError(f"eos_id {eos_id} is not a token of this model (vocabulary 0..{cfg.vocab_size - 1}); "
+                         f"give the id of its end-of-text token, e.g. [SEP] = 102 for BERT-Chinese")
+    return min(context_size, cfg.context_length)
+
+
+def next_token(logits, idx, temperature: float, top_k=None, top_p=None, repetition_penalty: float = 1.0):
+    """The next token of each row from its last-position ``logits`` (B, V): the ``repetition_penalty`` on the
+    tokens of ``idx`` (B, T) so far, then greedy (``argmax``) when ``temperature == 0``, else a sample from
+    softmax(logits / temperature) after ``top_k`` / ``top_p`` filtering, with torch's global RNG. In float32
+    whatever the model's precision. Returns (B,) LongTensor."""
+    logits = logits.float()
+    if repetition_penalty != 1.0:
+        logits = apply_repetition_penalty(logits, idx, repetition_penalty)
+    if temperature == 0.0:
+        return logits.argmax(dim=-1)  # (B,)
+    probs = torch.softmax(filter_logits(logits / temperature, top_k, top_p), dim=-1)  # (B, V)
+    return sample_from(probs)  # (B,)
+
+
 def generate(model, idx, max_new_tokens, context_size, temperature=0.0, top_k=None, top_p=None, eos_id=None,
              attention_mask=None, repetition_penalty=1.0, stream=None, num_samples=1):
     """Continue each row of ``idx`` (B, T) by up to ``max_new_tokens`` tokens; returns (B, T + n) LongTensor.
@@ -719,12 +752,10 @@ def generate(model, idx, max_new_tokens, context_size, temperature=0.0, top_k=No
     With ``num_samples`` k > 1 each row is continued k times: the prompt is read once and its cached keys and
     values copied k times, and the result is (B * k, T + n), the k continuations of row b in rows b*k .. b*k+k-1.
 
-    Greedy when ``temperature == 0``, else samples from softmax(logits / temperature) after ``top_k``/``top_p``
-    filtering (using torch's global RNG: seed it for repeatable samples). Runs with the KV cache while the
-    sequence fits in ``context_size`` positions; past that it slides a window over the last ``context_size``
-    tokens (recomputing the window each step, as the walkthrough's cache-less loop would). A prompt longer than
-    ``context_size`` keeps its last ``context_size`` tokens. ``context_size`` beyond the model's own
-    ``cfg.context_length`` is clamped to it: the model has no positions past it.
+    Each token is chosen by ``next_token`` (greedy, or sampled with torch's global RNG: seed it for repeatable
+    samples). Runs with the KV cache while the sequence fits in ``context_size`` positions (clamped to the model's
+    own, ``fitted_context``); past that it slides a window over the last ``context_size`` tokens (recomputing the
+    window each step, as the walkthrough's cache-less loop would). A longer prompt keeps its last tokens.
 
     Rows of different lengths go in one batch left-padded, with ``attention_mask`` (B, T) marking real tokens;
     each row gets what it would get alone. When ``eos_id`` is given, a row that emits it is finished and is
@@ -734,9 +765,8 @@ def generate(model, idx, max_new_tokens, context_size, temperature=0.0, top_k=No
     while generating (the model's train/eval mode is restored at the end).
 
     Raises:
-        ValueError: negative ``temperature``, ``num_samples`` < 1, ``repetition_penalty`` <= 0, bad ``top_k``/``top_p``,
-            ``context_size`` < 1, or an ``eos_id`` that is not a token of the model's vocabulary (it could never
-            be sampled, so generation would never stop).
+        ValueError: an empty prompt, negative ``temperature``, ``num_samples`` < 1, ``repetition_penalty`` <= 0, bad
+            ``top_k``/``top_p``, and what ``fitted_context`` refuses (``context_size`` < 1, an unknown ``eos_id``).
     """
     if idx.shape[1] == 0:
         raise ValueError("the prompt is empty: give at least one token (e.g. [CLS]) to continue from")
@@ -749,17 +779,9 @@ def generate(model, idx, max_new_tokens, context_size, temperature=0.0, top_k=No
     if repetition_penalty <= 0:
         raise ValueError(f"repetition_penalty must be > 0, got {repetition_penalty}")
     model = unwrap_compiled(model)  # a compiled wrapper would recompile for every new length
-    if context_size < 1:
-        raise ValueError(f"context_size must be >= 1, got {context_size}")
-    cfg = getattr(model, "cfg", None)
-    if cfg is not None:
-        context_size = min(context_size, cfg.context_length)  # a longer window would fail once the text outgrows it
-        if eos_id is not None and not 0 <= eos_id < cfg.vocab_size:
-            raise ValueError(f"eos_id {eos_id} is not a token of this model (vocabulary 0..{cfg.vocab_size - 1}); "
-                             f"give the id of its end-of-text token, e.g. [SEP] = 102 for BERT-Chinese")
-    # no_grad, not inference_mode: under CPU autocast, inference mode turns off autocast's cache of bf16 weight
-    # copies, so every step would cast every weight again (the (V, E) head alone is 5.4M values); measured in
-    # bench/README.md (a tensor made under inference mode could not be trained on either; PPO trains on these ids)
+    context_size = fitted_context(model, context_size, eos_id)
+    # no_grad, not inference_mode: under CPU autocast that turns off the cache of bf16 weight copies (every step
+    # would cast every weight again, bench/README.md), and PPO trains on these ids, which inference mode forbids
     with torch.no_grad():
         was_training = model.training
         model.eval()
@@ -777,21 +799,12 @@ def generate(model, idx, max_new_tokens, context_size, temperature=0.0, top_k=No
                             logits_to_keep=1)
                 cache, logits = out.get("past_key_values"), out["logits"][:, -1, :]  # (B, V)
                 if num_samples > 1:  # k continuations of each prompt from one reading of it
-                    idx, logits = idx.repeat_interleave(num_samples, 0), logits.repeat_interleave(num_samples, 0)
-                    finished = finished.repeat_interleave(num_samples, 0)
-                    if padded:
-                        attention_mask = attention_mask.repeat_interleave(num_samples, 0)
+                    idx, logits, finished = (t.repeat_interleave(num_samples, 0) for t in (idx, logits, finished))
+                    attention_mask = attention_mask.repeat_interleave(num_samples, 0) if padded else None
                     if cache is not None:
                         cache.repeat_interleave(num_samples)
                     num_samples = 1
-            logits = logits.float()
-            if repetition_penalty != 1.0:
-                logits = apply_repetition_penalty(logits, idx, repetition_penalty)
-            if temperature == 0.0:
-                next_ids = logits.argmax(dim=-1)  # (B,)
-            else:
-                probs = torch.softmax(filter_logits(logits / temperature, top_k, top_p), dim=-1)  # (B, V)
-                next_ids = sample_from(probs)  # (B,)
+            next_ids = next_token(logits, idx, temperature, top_k, top_p, repetition_penalty)  # (B,)
             if eos_id is not None:
                 next_ids = next_ids.masked_fill(finished, eos_id)
                 finished |= next_ids == eos_id

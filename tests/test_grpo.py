@@ -154,10 +154,10 @@ def test_clip_fraction_counts_where_the_clip_bounds_the_objective_as_ppo_does():
 def test_a_nan_reward_stops_the_run_before_any_update(tmp_path, tiny_policy_and_rm, prompts, monkeypatch, capsys):
     """One NaN RM score stops GRPO with a one-line error naming the prompt, before backward and the optimizer step
     (which used to spread it to every weight): no checkpoint is written."""
-    import plumbing.rollouts as rollouts
+    import plumbing.alignment as alignment
     from plumbing.cli import run
 
-    real = rollouts.rollout
+    real = alignment.rollout
 
     def nan_rollout(*args, **kwargs):
         data = real(*args, **kwargs)
@@ -165,7 +165,7 @@ def test_a_nan_reward_stops_the_run_before_any_update(tmp_path, tiny_policy_and_
             data["scores"][5] = float("nan")
         return data
 
-    monkeypatch.setattr(GRPO, "rollout", nan_rollout)
+    monkeypatch.setattr(alignment, "rollout", nan_rollout)  # what Online.rollout calls
     stepped = []
     monkeypatch.setattr(torch.optim.AdamW, "step", lambda self, *a, **k: stepped.append(1))
     with pytest.raises(SystemExit) as exit_:
