@@ -34,6 +34,7 @@ from gpt_model import generate  # noqa: E402
 from plumbing.checkpoint import load_checkpoint  # noqa: E402
 from plumbing.hf_weights import save_hf_model  # noqa: E402
 from plumbing.inference import prompt_to_ids  # noqa: E402
+from plumbing.markdown import markdown_table  # noqa: E402
 from plumbing.report import REPORT_PROMPTS  # noqa: E402
 from plumbing.reward import score_texts  # noqa: E402
 
@@ -77,18 +78,16 @@ def policy_parity(path, out, max_new_tokens):
             in_batch = cut_at_eos(batched[i, batch["input_ids"].shape[1]:].tolist())
             same, same_batched = ours == cut_at_eos(alone), ours == in_batch
             ok &= same and same_batched
-            rows.append(f"| {prompt} | {penalty} | {len(ours)} | {'yes' if same else 'NO'} | "
-                        f"{'yes' if same_batched else 'NO'} | {decode(ours, tokenizer)[:40]} |")
+            rows.append((prompt, penalty, len(ours), "yes" if same else "NO", "yes" if same_batched else "NO",
+                         decode(ours, tokenizer)[:40]))
     ids = torch.nn.utils.rnn.pad_sequence([torch.tensor(p) for p in prompts], batch_first=True)
     mask = torch.nn.utils.rnn.pad_sequence([torch.ones(len(p), dtype=torch.long) for p in prompts], batch_first=True)
     with torch.no_grad():
         diff = (hf(ids, attention_mask=mask).logits - model(ids, attention_mask=mask)["logits"])[mask.bool()]
     print(f"policy {path} (stage {config.get('stage')}) -> {written}; largest |logit difference| on the right-padded "
           f"prompts: {diff.abs().max():.2e}\n")
-    print("| prompt | repetition penalty | answer tokens | greedy same, alone | same, in a left-padded batch | "
-          "answer |")
-    print("|---|---|---|---|---|---|")
-    print("\n".join(rows) + "\n")
+    print(markdown_table(("prompt", "repetition penalty", "answer tokens", "greedy same, alone",
+                          "same, in a left-padded batch", "answer"), rows))
     return ok
 
 
@@ -106,12 +105,10 @@ def pretrain_parity(path, out, max_new_tokens):
                                                   eos_id=SEP_ID)[0, len(ids):].tolist()), tokenizer)
         theirs = generator(prompt, max_new_tokens=max_new_tokens, do_sample=False)[0]["generated_text"]
         ok &= theirs == ours
-        rows.append(f"| {prompt} | {'yes' if theirs == ours else 'NO'} | {theirs[:40]} |")
+        rows.append((prompt, "yes" if theirs == ours else "NO", theirs[:40]))
     print(f"pretrained model {path} (stage {config.get('stage')}) -> {written}; pipeline(\"text-generation\") "
           f"against generate.py --temperature 0\n")
-    print("| prompt | same text | pipeline's text |")
-    print("|---|---|---|")
-    print("\n".join(rows) + "\n")
+    print(markdown_table(("prompt", "same text", "pipeline's text"), rows))
     return ok
 
 
