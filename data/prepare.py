@@ -31,6 +31,8 @@ Outputs under ``data_dir`` (JSON lines, UTF-8, one record per line):
   differences in Chinese-numeral digits, strings to reverse), generated from ``TASK_SEED`` with no problem in two
   splits (the demo's SFT does not learn them within its budget yet, so they are not in ``sft/``; ``tasks/sft.jsonl``
   holds the training problems as ``{"prompt","response"}`` pairs for an SFT that has the budget);
+* ``instructions/{train,val,test,sft}.jsonl``: the same for verifiable length instructions on the review prompts
+  (``answer`` the canonical form ``max_chars:20``; in ``sft.jsonl`` real reviews that keep them answer them);
 * ``MANIFEST.json``: sources (version, licence, sha256) and per-file counts and sha256.
 
 Every split of the sources is decided by a hash of the text (never by RNG order), and the verifiable tasks are drawn
@@ -42,8 +44,8 @@ manifest does nothing.
 This file is the story; each idea lives in a module of the package ``prep/`` beside it (standard library only: it
 runs before the project's requirements are installed): ``sources`` (fetching and checking the archives), ``parsers``
 (one per source), ``splits`` (hash splits and near-duplicates), ``pairs`` (the SFT pairs), ``reviews`` (RM pairs, SFT
-review pairs and PPO prompts from one review corpus), ``verifiable`` (the tasks) and ``outputs`` (atomic writes, the
-tokenizer folder and the manifest).
+review pairs and PPO prompts from one review corpus), ``verifiable`` (the tasks), ``instructions`` (the reviews'
+verifiable instructions) and ``outputs`` (atomic writes, the tokenizer folder and the manifest).
 
 Exit codes: 0 success, 2 a source could not be fetched or verified (one line on stderr says which and what to do).
 """
@@ -61,6 +63,7 @@ from pathlib import Path
 SCRIPT_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(SCRIPT_DIR))  # the package prep/ beside this script, also when a test imports this file
 
+from prep.instructions import build_instructions  # noqa: E402
 from prep.outputs import build_tokenizer_dir, expected_build, outputs_current, tokenizer_ready, write_outputs  # noqa: E402
 from prep.pairs import chat_pairs, definition_pairs, split_sft, xiehouyu_pairs  # noqa: E402
 from prep.parsers import (  # noqa: E402
@@ -121,7 +124,7 @@ def sft_families(archives: dict) -> tuple[dict, list, dict]:
     return families, convs, reviews
 
 
-def data_files(pretrain: dict, sft: dict, reviews: dict, tasks: dict) -> dict[str, list[dict]]:
+def data_files(pretrain: dict, sft: dict, reviews: dict, tasks: dict, instructions: dict) -> dict[str, list[dict]]:
     """Every output file, relative path -> its records."""
     return {
         "pretrain/train.jsonl": [{"text": t} for t in pretrain["train"]],
@@ -136,6 +139,8 @@ def data_files(pretrain: dict, sft: dict, reviews: dict, tasks: dict) -> dict[st
         **{f"tasks/{split}.jsonl": rows for split, rows in tasks.items()},
         # the training problems as SFT pairs, to mix into 1-SFT.py's --train_files by hand
         "tasks/sft.jsonl": [{"prompt": t["prompt"], "response": t["answer"]} for t in tasks["train"]],
+        **{f"instructions/{split}.jsonl": instructions[split] for split in ("train", "val", "test")},
+        "instructions/sft.jsonl": [{"prompt": p, "response": r} for p, r in instructions["sft"]],
     }
 
 
@@ -160,7 +165,8 @@ def build_all(data_dir: Path, cache_dir: Path, with_poetry: bool, log, rebuild_t
     families, convs, reviews = sft_families(archives)
     sft = split_sft(families)
     tasks = build_tasks()  # not in sft/ yet: the demo SFT does not learn them within its budget (bench/README.md)
-    files = data_files(pretrain, sft, reviews, tasks)
+    instructions = build_instructions(reviews["ppo_reviews"])  # answered by reviews that answer no other prompt
+    files = data_files(pretrain, sft, reviews, tasks, instructions)
 
     # --- the RM test reviews must have no near-duplicate in any other file
     test_reviews = [r[k] for r in files["rm/test.jsonl"] for k in ("chosen", "rejected")]
@@ -174,6 +180,7 @@ def build_all(data_dir: Path, cache_dir: Path, with_poetry: bool, log, rebuild_t
         "definitions": len(families["definition"]), "xiehouyu": len(families["xiehouyu"]),
         "chat_questions": len(families["chat"]), "chat_conversations": len(convs), **reviews["counts"],
         "task_seed": TASK_SEED, **{f"tasks_{split}": len(rows) for split, rows in tasks.items()},
+        **{f"instructions_{split}": len(rows) for split, rows in instructions.items()},
     }
     manifest = {"build": expected_build(with_poetry), "sources": sources_meta, "source_counts": counts,
                 "rm_test_near_duplicates": near_duplicates}

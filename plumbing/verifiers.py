@@ -12,7 +12,15 @@ response up to ``[SEP]`` (nothing before it, nothing after it, not a character m
     numerals (``〇一二三四五六七八九``: 347 is ``三四七``, one token per digit, where the Arabic ``347`` would be
     one token and ``632`` two, ``63`` + ``##2``); ``parse_number`` reads the canonical form only (no sign, no
     leading ``〇``, no ``零``, no Arabic or full-width digits);
-  - ``reverse``: a short string of Chinese characters written backwards (each character is one token).
+  - ``reverse``: a short string of Chinese characters written backwards (each character is one token);
+  - ``instruction``: a review that keeps a verifiable instruction (IFEval, Zhou et al. 2023; Tülu 3's RLVR), its
+    ``answer`` the instruction in a canonical form, ``KIND:ARGUMENT``: ``max_chars:20`` (at most 20 characters,
+    punctuation included), ``min_chars:30`` (at least 30), ``mention:早餐`` (the review uses the word),
+    ``begin:房间很`` (it starts with the phrase); data/prepare.py writes the first two (data/prep/instructions.py).
+    ``check_instruction`` also wants a real review, so that no degenerate answer passes: 8-120 characters, at least
+    ``MIN_OTHER_CHARS`` different Chinese characters besides the argument, and at least half of its character
+    pairs different (distinct-2 >= 0.5): the word alone, the word repeated, or a loop of a phrase fail; an answer
+    that never ends gets 0 from every verifier.
 * ``check(family, response, answer)``: the strict checker by family; ``contains`` is the deliberately lax one (the
   answer appears anywhere in the response), kept to show what a lax verifier invites (tests/test_verifiers.py).
 * ``VERIFIERS``: the verifiers a stage takes by name (``--verifier``): ``exact`` (strict) and ``contains`` (lax).
@@ -24,7 +32,11 @@ rewarded like one that adds; only accuracy on held-out problems, never seen in a
 from __future__ import annotations
 
 CHINESE_DIGITS = "〇一二三四五六七八九"
-FAMILIES = ("arithmetic", "reverse")
+FAMILIES = ("arithmetic", "reverse", "instruction")
+INSTRUCTION_KINDS = ("max_chars", "min_chars", "mention", "begin")
+ANSWER_CHARS = (8, 120)  # a constrained review's length in characters: the review corpus's own bounds
+MIN_OTHER_CHARS = 4  # different Chinese characters a review must hold besides the instruction's argument
+MIN_DISTINCT_PAIRS = 0.5  # the share of a review's adjacent character pairs that must be different (distinct-2)
 
 
 def to_chinese_digits(n: int) -> str:
@@ -54,7 +66,41 @@ def check_reverse(response: str, answer: str) -> bool:
     return response == answer
 
 
-CHECKERS = {"arithmetic": check_arithmetic, "reverse": check_reverse}
+def looks_like_a_review(response: str, argument: str = "") -> bool:
+    """The guard every instruction shares: ``ANSWER_CHARS`` characters long, at least ``MIN_OTHER_CHARS`` different
+    Chinese characters once every ``argument`` is taken out, and ``MIN_DISTINCT_PAIRS`` of its adjacent character
+    pairs different. "早餐", "早餐早餐早餐早餐" and "早餐很好早餐很好早餐很好" fail; "早餐不错，服务也好。" passes."""
+    low, high = ANSWER_CHARS
+    if not low <= len(response) <= high:
+        return False
+    others = {ch for ch in (response.replace(argument, "") if argument else response) if "\u4e00" <= ch <= "\u9fff"}
+    pairs = [response[i:i + 2] for i in range(len(response) - 1)]
+    return len(others) >= MIN_OTHER_CHARS and len(set(pairs)) >= MIN_DISTINCT_PAIRS * len(pairs)
+
+
+def parse_instruction(answer: str) -> tuple[str, str]:
+    """``(kind, argument)`` of an instruction's canonical form ``KIND:ARGUMENT``. Raises ``ValueError`` for an unknown
+    kind or an empty argument."""
+    kind, _, argument = answer.partition(":")
+    if kind not in INSTRUCTION_KINDS or not argument or (kind.endswith("_chars") and not argument.isdigit()):
+        kinds = ", ".join(k + ":…" for k in INSTRUCTION_KINDS)
+        raise ValueError(f"not an instruction: {answer!r}; expected one of {kinds}")
+    return kind, argument
+
+
+def check_instruction(response: str, answer: str) -> bool:
+    """Right when ``response`` looks like a review (``looks_like_a_review``) and keeps the instruction ``answer``:
+    ``max_chars:N`` / ``min_chars:N`` is at most / at least N characters long; ``mention:W`` holds W; ``begin:P``
+    starts with P."""
+    kind, argument = parse_instruction(answer)
+    if kind.endswith("_chars"):
+        kept = len(response) <= int(argument) if kind == "max_chars" else len(response) >= int(argument)
+        return kept and looks_like_a_review(response)
+    kept = response.startswith(argument) if kind == "begin" else argument in response
+    return kept and looks_like_a_review(response, argument)
+
+
+CHECKERS = {"arithmetic": check_arithmetic, "reverse": check_reverse, "instruction": check_instruction}
 
 
 def check(family: str, response: str, answer: str) -> bool:
@@ -63,8 +109,14 @@ def check(family: str, response: str, answer: str) -> bool:
 
 
 def contains(family: str, response: str, answer: str) -> bool:
-    """A deliberately lax checker: right whenever the answer appears anywhere in the response. A policy can farm it
-    by writing many candidates in one answer; it exists to show that (tests/test_verifiers.py), never to train on."""
+    """A deliberately lax checker: right whenever the answer appears anywhere in the response (for an instruction,
+    whenever the instruction's kind alone holds, with no guard against a degenerate answer). A policy can farm it by
+    writing many candidates in one answer; it exists to show that (tests/test_verifiers.py), never to train on."""
+    if family == "instruction":
+        kind, argument = parse_instruction(answer)
+        if kind.endswith("_chars"):
+            return len(response) <= int(argument) if kind == "max_chars" else len(response) >= int(argument)
+        return argument in response
     return answer in response
 
 

@@ -71,6 +71,10 @@ def test_manifest_counts_match_files(built):
 # that moves one byte fails here: a refactor must leave the data as it was. When the data is meant to change, run
 # `python data/prepare.py` and copy the new hashes from data/MANIFEST.json, and say in the commit why they changed.
 PINNED_SHA256 = {
+    "instructions/sft.jsonl": "03572d4f98b72cadcee6113611cc581f0334e15051fbda114e88a3b394367765",
+    "instructions/test.jsonl": "55da8ffff1bbeaeb97a7a7dba42284230d2611b5a4973437a38a359db6fde1db",
+    "instructions/train.jsonl": "6a83f9da9a85c8d21fffbb314d65dd40bb0d09ebfd26ae7144998fe25bcbb129",
+    "instructions/val.jsonl": "cc8a7a99f81f53bf473934c50bc0c3d04d299f4501e52fd97df22f7de97a4697",
     "ppo/prompts.jsonl": "286da95a540587a8f0a5a62d39e34c3bcd21f3abbfa54a399247a4b0f4c1fc44",
     "ppo/val_prompts.jsonl": "ac0595d26d6180b0d65534df25a5f231616f1d897601b3a6831cf9e9e599af88",
     "pretrain/train.jsonl": "ebd1b8fe32e4048845992f9415eb590e0471eae92fcf3d1645935e98018c433c",
@@ -184,6 +188,29 @@ def test_ppo_prompts_disjoint(built):
     val = [r["prompt"] for r in read_jsonl(built / "ppo/val_prompts.jsonl")]
     assert len(set(train)) == len(train) and not set(train) & set(val)
     assert all("好评" in p for p in train + val)
+
+
+def test_the_review_instructions_hold_out_their_limits_and_answer_with_real_reviews(built):
+    """The instruction family: 500 test problems; no held-out (kind, limit) in a training instruction; every SFT
+    example is a training review that keeps its prompt's instruction by the strict checker, and answers no other SFT
+    prompt nor is an RM validation or test review."""
+    from plumbing.verifiers import check
+
+    tasks = {split: read_jsonl(built / f"instructions/{split}.jsonl") for split in ("test", "val", "train")}
+    assert all(r["family"] == "instruction" for rows in tasks.values() for r in rows)
+    assert len(tasks["test"]) >= 500 and len(tasks["val"]) >= 150
+    held_out = {r["answer"] for r in tasks["test"] + tasks["val"]}
+    assert not held_out & {r["answer"] for r in tasks["train"]}
+    rm_held_out = {r[k] for rel in ("rm/val.jsonl", "rm/test.jsonl") for r in read_jsonl(built / rel)
+                   for k in ("chosen", "rejected")}
+    sft_responses = {r["response"] for r in read_jsonl(built / "sft/train.jsonl") + read_jsonl(built / "sft/val.jsonl")}
+    sft = read_jsonl(built / "instructions/sft.jsonl")
+    assert len(sft) >= 1000
+    for row in sft:
+        limit = re.search(r"(\d+)个字", row["prompt"])[1]
+        instruction = ("min_chars:" if "少" in row["prompt"] else "max_chars:") + limit
+        assert instruction not in held_out and check("instruction", row["response"], instruction), row
+        assert row["response"] not in rm_held_out and row["response"] not in sft_responses, row
 
 
 def test_second_run_is_fast_and_changes_nothing(built):

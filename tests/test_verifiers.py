@@ -45,6 +45,52 @@ def test_the_reverse_checker_wants_the_reversed_string_exactly(response, right):
     assert verifiers.check("reverse", response, "冬秋夏春") is right
 
 
+REVIEW = "酒店的早餐品种很多，味道也不错。"  # 16 characters, holds 早餐, starts with 酒店的
+
+
+@pytest.mark.parametrize("response, instruction, right", [
+    (REVIEW, "mention:早餐", True), (REVIEW, "mention:前台", False),
+    (REVIEW, "begin:酒店的", True), (REVIEW, "begin:早餐", False),
+    (REVIEW, "max_chars:16", True), (REVIEW, "max_chars:15", False),
+    (REVIEW, "min_chars:16", True), (REVIEW, "min_chars:17", False),
+    # degenerate answers: the word alone, the word repeated, a phrase in a loop, too short, too long
+    ("早餐", "mention:早餐", False), ("早餐早餐早餐早餐早餐", "mention:早餐", False),
+    ("早餐很好早餐很好早餐很好", "mention:早餐", False), ("早餐很好早餐很好早餐很好", "max_chars:20", False),
+    ("酒店的早餐酒店的早餐", "begin:酒店的", False),  # the phrase taken out, 2 characters are left
+    ("早餐好吃。", "mention:早餐", False), ("很好", "max_chars:20", False),
+    ("好" * 40, "min_chars:30", False), ("不错" * 20, "min_chars:30", False),  # length bought with a loop
+    (REVIEW * 8, "mention:早餐", False),  # 128 characters, and a loop
+    ("早餐不错，服务也好。", "mention:早餐", True),  # 10 characters, 6 others
+])
+def test_the_instruction_checker_wants_a_real_review_that_keeps_the_instruction(response, instruction, right):
+    assert verifiers.check("instruction", response, instruction) is right
+
+
+def test_a_degenerate_answer_gets_no_reward_even_when_it_keeps_the_instruction(tokenizer):
+    """Through the reward GRPO trains on: the word alone, the word repeated, and a right review that never ended all
+    score 0; the lax checker (no guard) would have paid for the first two."""
+    from plumbing.tasks import score_with_verifier
+
+    tasks = [{"prompt": "写一条提到“早餐”的好评。", "answer": "mention:早餐", "family": "instruction"}] * 4
+    answers = ["早餐", "早餐早餐早餐早餐早餐", REVIEW, REVIEW]
+    data = rollout_data(tokenizer, answers, [True, True, False, True])
+    assert score_with_verifier("exact", tokenizer)(data, tasks).tolist() == [0.0, 0.0, 0.0, 1.0]
+    assert score_with_verifier("contains", tokenizer)(data, tasks).tolist() == [1.0, 1.0, 0.0, 1.0]
+    # the instructions data/prepare.py writes: a short answer for "at most 20", a loop for "at least 30"
+    tasks = [{"prompt": "写一条不超过20个字的好评。", "answer": "max_chars:20", "family": "instruction"},
+             {"prompt": "写一条至少30个字的好评。", "answer": "min_chars:30", "family": "instruction"}] * 2
+    longer = REVIEW + "房间干净，服务员很热情，下次还来。"  # 32 characters
+    data = rollout_data(tokenizer, ["好", "不错" * 20, REVIEW, longer], [True, True, True, True])
+    assert score_with_verifier("exact", tokenizer)(data, tasks).tolist() == [0.0, 0.0, 1.0, 1.0]
+    assert score_with_verifier("contains", tokenizer)(data, tasks).tolist() == [1.0, 1.0, 1.0, 1.0]
+
+
+@pytest.mark.parametrize("instruction", ["mention:", "size:12", "max_chars:十", "min_chars:", "早餐"])
+def test_a_malformed_instruction_is_refused(instruction):
+    with pytest.raises(ValueError, match="not an instruction"):
+        verifiers.check("instruction", REVIEW, instruction)
+
+
 def test_the_lax_checker_accepts_what_the_strict_one_refuses():
     assert verifiers.contains("arithmetic", "六三一六三二六三三", "六三二")
     assert not verifiers.check("arithmetic", "六三一六三二六三三", "六三二")

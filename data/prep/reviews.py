@@ -58,12 +58,13 @@ def build_reviews(pos_text: str, neg_text: str) -> dict:
     ``train``; the hash is that of its near-duplicate group (``near_duplicate_groups``), so that a truncated or
     re-punctuated copy of a test review never lands in a training split. RM pairs zip the positive and negative lines of
     a split, each in hash order. RM-train lines are halved by a second hash: one half feeds the SFT review tasks, the
-    other the PPO prompts (openings of both positive and negative reviews, to be written as a 好评). PPO validation
-    prompts come from RM-val lines.
+    other the PPO prompts (openings of both positive and negative reviews, to be written as a 好评); the whole
+    lines of that half answer no other prompt, so the verifiable instructions take their SFT examples from them
+    (``instructions.build_instructions``). PPO validation prompts come from RM-val lines.
 
     Returns:
         ``{"rm": {split: [record]}, "sft_units": {line: [(prompt, response)]}, "ppo": [record],
-        "ppo_val": [record], "counts": {...}}``.
+        "ppo_val": [record], "ppo_reviews": [(line, positive?)], "counts": {...}}``.
     """
     pos, neg = usable_reviews(pos_text), usable_reviews(neg_text)
     both = set(pos) & set(neg)
@@ -82,6 +83,7 @@ def build_reviews(pos_text: str, neg_text: str) -> dict:
     pos_set = set(pos)
     sft_units: dict[str, list[tuple[str, str]]] = {}
     ppo_prompts: list[str] = []
+    ppo_reviews: list[tuple[str, bool]] = []
     for line in hash_sorted([x for x in pos + neg if split[x] == "train"], "review-use"):
         good = line in pos_set
         if unit_hash(line, "sft-or-ppo") < 0.5:
@@ -92,6 +94,7 @@ def build_reviews(pos_text: str, neg_text: str) -> dict:
                 prompt = pick(GOOD_REVIEW_PROMPTS if good else BAD_REVIEW_PROMPTS, line, "review-template")
             sft_units[line] = [(prompt, line)]
         else:
+            ppo_reviews.append((line, good))
             prompt = opening_prompt(GOOD_OPENING_PROMPTS, line, "ppo-template")
             if prompt is not None:
                 ppo_prompts.append(prompt)
@@ -108,4 +111,4 @@ def build_reviews(pos_text: str, neg_text: str) -> dict:
     counts = {"positive_lines": len(pos), "negative_lines": len(neg), "in_both_dropped": len(both),
               "near_duplicate_groups": len(set(group.values()))}
     return {"rm": rm, "sft_units": sft_units, "ppo": [{"prompt": p} for p in ppo_prompts],
-            "ppo_val": [{"prompt": p} for p in ppo_val], "counts": counts}
+            "ppo_val": [{"prompt": p} for p in ppo_val], "ppo_reviews": ppo_reviews, "counts": counts}
