@@ -28,19 +28,20 @@ from plumbing.cli import ArgumentParser, default_path, positive_int, run
 from plumbing.judge import mean_and_se
 from plumbing.records import read_tasks
 from plumbing.tasks import _answers
-from plumbing.verifiers import check
+from plumbing.verifiers import FAMILIES, check
 
 
 def parse_args(argv=None):
     p = ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--policy", default=default_path("checkpoints", "sft"), help="the checkpoint to measure")
     p.add_argument("--tasks", nargs="+", default=[default_path("data", "tasks", "val.jsonl")], help="problem files")
-    p.add_argument("--family", default=None, help="only this family")
+    p.add_argument("--family", choices=FAMILIES, default=None, help="only this family")
     p.add_argument("--samples", type=positive_int, default=16, help="answers per problem at temperature 1")
-    p.add_argument("--max_new_tokens", type=positive_int, default=100)
+    p.add_argument("--max_new_tokens", type=positive_int, default=100,
+                   help="the longest answer in tokens (an instruction's review needs about 100; a sum 8)")
     p.add_argument("--batch", type=positive_int, default=32, help="problems per generate call")
     p.add_argument("--limit", type=int, default=0, help="measure at most this many problems per family (0: all)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="torch's seed for the samples")
     p.add_argument("--show", type=int, default=0, help="print this many sampled answers per scope")
     return p.parse_args(argv)
 

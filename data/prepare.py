@@ -201,7 +201,8 @@ class OneLineErrors(argparse.ArgumentParser):
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = OneLineErrors(
-        description="Download the pinned sources and build data/{tokenizer,pretrain,sft,rm,ppo} and MANIFEST.json.")
+        description="Download the pinned sources and build data/{tokenizer,pretrain,sft,rm,ppo,tasks,instructions} and "
+                    "MANIFEST.json.")
     p.add_argument("--data_dir", type=Path, default=SCRIPT_DIR,
                    help="where the outputs go (default: the data/ folder holding this script)")
     p.add_argument("--cache_dir", type=Path, default=None,

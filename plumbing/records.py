@@ -345,10 +345,11 @@ def read_prompt_files(patterns, what: str) -> list:
 
 def read_tasks(patterns, what: str) -> list[dict]:
     """The verifiable problems in the files matching ``patterns`` (``data/tasks/*.jsonl``), in file order: rows
-    ``{"prompt", "answer", "family"}``, every field a non-empty string and the family one that
-    ``verifiers.FAMILIES`` can check. Raises ``UserError`` naming the file and line of a bad row, or a file with
-    none."""
-    from plumbing.verifiers import FAMILIES
+    ``{"prompt", "answer", "family"}``, every field a non-empty string, the family one that
+    ``verifiers.FAMILIES`` can check and an instruction's ``answer`` one ``verifiers.parse_instruction`` reads (a bad
+    one would otherwise surface only when the first answer is scored). Raises ``UserError`` naming the file and line
+    of a bad row, or a file with none."""
+    from plumbing.verifiers import FAMILIES, parse_instruction
 
     tasks = []
     for path in expand_files(patterns, what):
@@ -359,6 +360,11 @@ def read_tasks(patterns, what: str) -> list[dict]:
             check_fields(where, row, ("prompt", "answer", "family"))
             if row["family"] not in FAMILIES:
                 raise UserError(f"{where}: family {row['family']!r} has no checker; use one of {', '.join(FAMILIES)}")
+            if row["family"] == "instruction":
+                try:
+                    parse_instruction(row["answer"])
+                except ValueError as exc:
+                    raise UserError(f"{where}: {exc}") from None
             tasks.append({"prompt": row["prompt"], "answer": row["answer"], "family": row["family"]})
     return tasks
 

@@ -5,7 +5,8 @@ instead of a reward model's opinion, a program decides whether an answer is righ
 such a reward teaches can be measured exactly, on problems the model never saw.
 
 The tasks' answers are written in one canonical form, and a checker is strict: the answer must be the whole
-response up to ``[SEP]`` (nothing before it, nothing after it, not a character more or less), in that form.
+response up to ``[SEP]`` (nothing before it, nothing after it, not a character more or less), in that form. An
+instruction has no one answer: its checker wants the whole response to keep the instruction and look like a review.
 
 * ``FAMILIES``: the task families and the checker of each:
   - ``arithmetic``: the sum or difference of two numbers of 2-3 digits, written digit by digit in Chinese

@@ -97,6 +97,26 @@ def test_the_lax_checker_accepts_what_the_strict_one_refuses():
     assert set(verifiers.VERIFIERS) == {"exact", "contains"}
 
 
+@pytest.mark.parametrize("row, message", [
+    ({"prompt": "写一条好评。", "answer": "size:3", "family": "instruction"}, "not an instruction: 'size:3'"),
+    ({"prompt": "写一条好评。", "answer": "max_chars:二十", "family": "instruction"}, "not an instruction"),
+    ({"prompt": "一加一", "answer": "二", "family": "sums"}, "family 'sums' has no checker"),
+])
+def test_a_bad_problem_is_refused_when_the_file_is_read(tmp_path, row, message):
+    """A problem no checker can score is a one-line error naming its file and line when the file is read, not a
+    traceback at the first answer scored (or never, if no answer ends)."""
+    from plumbing.cli import UserError
+    from plumbing.records import read_tasks
+
+    good = {"prompt": "写一条不超过20个字的好评。", "answer": "max_chars:20", "family": "instruction"}
+    path = tmp_path / "problems.jsonl"
+    path.write_text("\n".join(json.dumps(r, ensure_ascii=False) for r in (good, row)) + "\n", encoding="utf-8")
+    with pytest.raises(UserError, match=f"{path}.*2.*{message}"):
+        read_tasks([str(path)], "--prompts_file")
+    path.write_text(json.dumps(good, ensure_ascii=False) + "\n", encoding="utf-8")
+    assert read_tasks([str(path)], "--prompts_file") == [good]
+
+
 def test_pass_at_k_by_hand():
     # n = 4 samples, c = 1 right: pass@1 = 1/4, pass@2 = 1 - C(3,2)/C(4,2) = 1 - 3/6, pass@4 = 1
     assert pass_at_k(4, 1, 1) == pytest.approx(0.25) and pass_at_k(4, 1, 2) == pytest.approx(0.5)
