@@ -27,8 +27,8 @@ from plumbing.checkpoint import load_checkpoint
 from plumbing.cli import ArgumentParser, default_path, positive_int, run
 from plumbing.judge import mean_and_se
 from plumbing.records import read_tasks
-from plumbing.tasks import _answers
-from plumbing.verifiers import FAMILIES, check
+from plumbing.tasks import generated_answers, solved
+from plumbing.verifiers import FAMILIES
 
 
 def parse_args(argv=None):
@@ -73,16 +73,15 @@ def main(argv=None):
         prompt = pad_left([chat_prompt_ids(t["prompt"], tokenizer, ctx - args.max_new_tokens) for t in batch])
         ids, mask = prompt["input_ids"], prompt["attention_mask"]
         out = generate(model, ids, args.max_new_tokens, ctx, eos_id=EOS_ID, attention_mask=mask)
-        texts, ended, _ = _answers(out, ids.shape[1], tokenizer)
+        texts, ended, _ = generated_answers(out, ids.shape[1], tokenizer)
         for t, x, e in zip(batch, texts, ended):
-            greedy[scope_of(t)].append(float(bool(e) and x is not None and check(t["family"], x, t["answer"])))
+            greedy[scope_of(t)].append(float(solved(t, x, e)))
         out = generate(model, ids, args.max_new_tokens, ctx, temperature=1.0, eos_id=EOS_ID, attention_mask=mask,
                        num_samples=args.samples)
-        texts, ended, _ = _answers(out, ids.shape[1], tokenizer)
+        texts, ended, _ = generated_answers(out, ids.shape[1], tokenizer)
         for j, t in enumerate(batch):
             rows = range(j * args.samples, (j + 1) * args.samples)
-            right = [bool(ended[r]) and texts[r] is not None and check(t["family"], texts[r], t["answer"])
-                     for r in rows]
+            right = [solved(t, texts[r], ended[r]) for r in rows]
             rates[scope_of(t)].append(sum(right) / args.samples)
             if len(shown[scope_of(t)]) < args.show:
                 shown[scope_of(t)].append((t["prompt"], texts[rows[0]], right[0]))

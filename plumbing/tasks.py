@@ -101,7 +101,7 @@ def measure_tasks(policy, ref, tasks, tokenizer, samples: int, max_new_tokens: i
     return copy.deepcopy(_MEASURED[key])
 
 
-def _answers(sequences, prompt_len: int, tokenizer):
+def generated_answers(sequences, prompt_len: int, tokenizer):
     """(texts, ended, lengths) of generated rows: each response up to its first [SEP] (None where a special token
     stands in it, ``answer_text``)."""
     responses = sequences[:, prompt_len:]
@@ -111,12 +111,14 @@ def _answers(sequences, prompt_len: int, tokenizer):
     return [answer_text(r, tokenizer) for r in ids], ended, [len(r) for r in ids]
 
 
+def solved(task: dict, text: str | None, ended) -> bool:
+    """The strict checker's verdict on one generated answer (``generated_answers``): ended with ``[SEP]``, no
+    special token in it (``text`` not None), and right by ``verifiers.check``."""
+    return bool(ended) and text is not None and check(task["family"], text, task["answer"])
+
+
 def _measure(policy, ref, tasks, tokenizer, samples, max_new_tokens, context_length, device, verifier, same):
     lax_check = contains if verifier == "exact" else VERIFIERS[verifier]
-
-    def right(task, text, ended):  # the strict checker: a whole answer, ended with [SEP], no special token in it
-        return bool(ended) and text is not None and check(task["family"], text, task["answer"])
-
     greedy, sampled, lax, kl, lengths, ended_all, empty, examples = [], [], [], [], [], [], [], []
     for start in range(0, len(tasks), TASK_BATCH):
         batch = tasks[start:start + TASK_BATCH]
@@ -124,16 +126,16 @@ def _measure(policy, ref, tasks, tokenizer, samples, max_new_tokens, context_len
         ids, mask = prompt["input_ids"].to(device), prompt["attention_mask"].to(device)  # (b, P)
         P = ids.shape[1]
         out = generate(policy, ids, max_new_tokens, context_length, eos_id=EOS_ID, attention_mask=mask)
-        texts, ended, _ = _answers(out, P, tokenizer)
-        greedy += [right(t, x, e) for t, x, e in zip(batch, texts, ended)]
+        texts, ended, _ = generated_answers(out, P, tokenizer)
+        greedy += [solved(t, x, e) for t, x, e in zip(batch, texts, ended)]
         examples += [{"prompt": t["prompt"], "answer": t["answer"], "response": "(a special token)" if x is None else x}
                      for t, x in zip(batch, texts)]
         out = generate(policy, ids, max_new_tokens, context_length, temperature=1.0, eos_id=EOS_ID,
                        attention_mask=mask, num_samples=samples)  # (b * samples, P + R)
-        texts, ended, length = _answers(out, P, tokenizer)
+        texts, ended, length = generated_answers(out, P, tokenizer)
         per_row = [t for t in batch for _ in range(samples)]  # the task of each sampled row
         rows = list(zip(per_row, texts, ended))
-        sampled += [[right(t, x, e) for t, x, e in rows[i:i + samples]] for i in range(0, len(rows), samples)]
+        sampled += [[solved(t, x, e) for t, x, e in rows[i:i + samples]] for i in range(0, len(rows), samples)]
         lax += [[x is not None and lax_check(t["family"], x, t["answer"]) for t, x, e in rows[i:i + samples]]
                 for i in range(0, len(rows), samples)]
         lengths += length

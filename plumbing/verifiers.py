@@ -89,16 +89,20 @@ def parse_instruction(answer: str) -> tuple[str, str]:
     return kind, argument
 
 
-def check_instruction(response: str, answer: str) -> bool:
-    """Right when ``response`` looks like a review (``looks_like_a_review``) and keeps the instruction ``answer``:
-    ``max_chars:N`` / ``min_chars:N`` is at most / at least N characters long; ``mention:W`` holds W; ``begin:P``
-    starts with P."""
-    kind, argument = parse_instruction(answer)
+def keeps(response: str, kind: str, argument: str) -> bool:
+    """Whether ``response`` keeps the instruction alone, with no guard: ``max_chars:N`` / ``min_chars:N`` is at most /
+    at least N characters long; ``mention:W`` holds W; ``begin:P`` starts with P."""
     if kind.endswith("_chars"):
-        kept = len(response) <= int(argument) if kind == "max_chars" else len(response) >= int(argument)
-        return kept and looks_like_a_review(response)
-    kept = response.startswith(argument) if kind == "begin" else argument in response
-    return kept and looks_like_a_review(response, argument)
+        return len(response) <= int(argument) if kind == "max_chars" else len(response) >= int(argument)
+    return response.startswith(argument) if kind == "begin" else argument in response
+
+
+def check_instruction(response: str, answer: str) -> bool:
+    """Right when ``response`` keeps the instruction ``answer`` (``keeps``) and looks like a review
+    (``looks_like_a_review``, with a word or phrase to write taken out first)."""
+    kind, argument = parse_instruction(answer)
+    written = "" if kind.endswith("_chars") else argument  # a word or phrase the answer must hold is not its own
+    return keeps(response, kind, argument) and looks_like_a_review(response, written)
 
 
 CHECKERS = {"arithmetic": check_arithmetic, "reverse": check_reverse, "instruction": check_instruction}
@@ -114,10 +118,7 @@ def contains(family: str, response: str, answer: str) -> bool:
     whenever the instruction's kind alone holds, with no guard against a degenerate answer). A policy can farm it by
     writing many candidates in one answer; it exists to show that (tests/test_verifiers.py), never to train on."""
     if family == "instruction":
-        kind, argument = parse_instruction(answer)
-        if kind.endswith("_chars"):
-            return len(response) <= int(argument) if kind == "max_chars" else len(response) >= int(argument)
-        return argument in response
+        return keeps(response, *parse_instruction(answer))
     return answer in response
 
 
