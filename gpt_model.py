@@ -274,6 +274,14 @@ class KVCache:
             self.keys = self.keys.repeat_interleave(k, dim=1)
             self.values = self.values.repeat_interleave(k, dim=1)
 
+    def keep_rows(self, rows) -> None:
+        """Keep only the batch rows ``rows`` (a (b,) LongTensor of indices), in place: rows whose generation has
+        finished stop costing compute in later steps."""
+        self.shape = (self.shape[0], len(rows), *self.shape[2:])
+        if self.keys is not None:
+            self.keys = self.keys[:, rows]
+            self.values = self.values[:, rows]
+
     def update(self, layer: int, keys, values):
         """Store (B, H, T, d_h) new keys/values after the cached ones; return all of them, (B, H, length+T, d_h)."""
         start, end = self.length, self.length + keys.shape[2]
@@ -759,7 +767,8 @@ def generate(model, idx, max_new_tokens, context_size, temperature=0.0, top_k=No
 
     Rows of different lengths go in one batch left-padded, with ``attention_mask`` (B, T) marking real tokens;
     each row gets what it would get alone. When ``eos_id`` is given, a row that emits it is finished and is
-    filled with ``eos_id`` while the others go on; the loop ends when all rows are finished. ``stream``, if
+    filled with ``eos_id`` while the others go on (once a quarter of the rows computed have finished, they are
+    dropped from the batch and the cache); the loop ends when all rows are finished. ``stream``, if
     given, is called with each new (B,) column of tokens; it may return a (B,) bool mask of rows to finish there
     as if they had emitted ``eos_id`` (a stop string was written, the reader left), or None. Dropout is off
     while generating (the model's train/eval mode is restored at the end).
@@ -790,11 +799,16 @@ def generate(model, idx, max_new_tokens, context_size, temperature=0.0, top_k=No
             attention_mask = None  # no padding: the model needs no mask, so no step builds, checks or extends one
         finished = torch.zeros(idx.shape[0], dtype=torch.bool, device=idx.device)
         cache, logits = None, None
+        rows = None  # the rows the model still computes (None: all); finished ones are dropped as they pile up
+
+        def live(t):
+            return t if rows is None or t is None else t[rows]
+
         for _ in range(max_new_tokens):
             if logits is None:
                 # a full pass over the last context_size tokens; keep its keys/values while later steps still fit
-                window = idx[:, -context_size:]
-                window_mask = attention_mask[:, -context_size:] if padded else None
+                window = live(idx)[:, -context_size:]
+                window_mask = live(attention_mask)[:, -context_size:] if padded else None
                 out = model(window, attention_mask=window_mask, use_cache=idx.shape[1] < context_size,
                             logits_to_keep=1)
                 cache, logits = out.get("past_key_values"), out["logits"][:, -1, :]  # (B, V)
@@ -804,9 +818,11 @@ def generate(model, idx, max_new_tokens, context_size, temperature=0.0, top_k=No
                     if cache is not None:
                         cache.repeat_interleave(num_samples)
                     num_samples = 1
-            next_ids = next_token(logits, idx, temperature, top_k, top_p, repetition_penalty)  # (B,)
+            next_ids = next_token(logits, live(idx), temperature, top_k, top_p, repetition_penalty)  # (b,)
+            if rows is not None:  # the dropped rows have finished: they get eos_id
+                next_ids = torch.full_like(finished, eos_id, dtype=torch.long).index_copy(0, rows, next_ids)
             if eos_id is not None:
-                next_ids = next_ids.masked_fill(finished, eos_id)
+                next_ids = next_ids.masked_fill(finished, eos_id)  # (B,)
                 finished |= next_ids == eos_id
             idx = torch.cat((idx, next_ids[:, None]), dim=1)  # (B, T + 1)
             if padded:
@@ -817,9 +833,18 @@ def generate(model, idx, max_new_tokens, context_size, temperature=0.0, top_k=No
                     finished |= torch.as_tensor(stop, dtype=torch.bool, device=finished.device)
             if bool(finished.all()):
                 break
+            running = ~live(finished)  # (b,)
+            if eos_id is not None and 4 * int(running.sum()) <= 3 * running.numel():
+                # a quarter of the computed rows have finished: drop them (each would cost a running row's step
+                # for a token that is eos_id anyway). Sampled rows then draw other random numbers than before
+                kept = running.nonzero().squeeze(1)  # (b',)
+                rows = kept if rows is None else rows[kept]
+                if cache is not None:
+                    cache.keep_rows(kept)
             if cache is not None and idx.shape[1] <= context_size:
                 # one new token against the cached keys/values: positions continue from the cache length
-                out = model(next_ids[:, None], attention_mask=attention_mask, past_key_values=cache, use_cache=True)
+                out = model(live(next_ids)[:, None], attention_mask=live(attention_mask), past_key_values=cache,
+                            use_cache=True)
                 logits = out["logits"][:, -1, :]
             else:
                 cache, logits = None, None  # past the context: the window slides, so positions must be recomputed

@@ -933,6 +933,36 @@ def test_batched_left_padded_generate_equals_each_row_alone(position_embedding):
         assert torch.equal(alone, cacheless_greedy(model, r[None], 12, 16))
 
 
+@pytest.mark.parametrize("context_size", [64, 12])
+def test_finished_rows_leave_the_batch_and_the_others_go_on_as_alone(context_size):
+    """Rows that emit eos are dropped from the computed batch (and the KV cache) once a quarter have finished: the
+    batch the model is called with shrinks, and every row's greedy tokens are still those it gets alone, padded
+    or not, with the cache and (context 12) with the sliding window."""
+    model = random_model(small_cfg(), seed=21)
+    g = torch.Generator().manual_seed(12)
+    rows = [torch.randint(1, 61, (n,), generator=g) for n in (5, 2, 4, 3, 5, 1, 2, 3)]
+    ids, mask = torch.zeros(8, 5, dtype=torch.long), torch.zeros(8, 5, dtype=torch.long)
+    for b, r in enumerate(rows):
+        ids[b, 5 - len(r):], mask[b, 5 - len(r):] = r, 1
+    free = [gm.generate(model, r[None], 20, context_size)[0, len(r):] for r in rows]
+    # the eos: a token several rows emit at different steps of their free greedy run
+    firsts = {}
+    for b, f in enumerate(free):
+        for step, t in enumerate(f.tolist()):
+            firsts.setdefault(t, {}).setdefault(b, step)
+    eos = max(firsts, key=lambda t: (len(set(firsts[t].values())), len(firsts[t])))
+    assert len(set(firsts[eos].values())) >= 2  # rows finish at two steps at least: a drop happens in between
+    sizes = []
+    hook = model.register_forward_pre_hook(lambda module, args: sizes.append(args[0].shape[0]))
+    out = gm.generate(model, ids, 20, context_size, eos_id=eos, attention_mask=mask)
+    hook.remove()
+    assert sizes[0] == 8 and min(sizes) < 8 and sizes == sorted(sizes, reverse=True)
+    for b, r in enumerate(rows):
+        alone = gm.generate(model, r[None], 20, context_size, eos_id=eos)[0, len(r):]
+        assert torch.equal(out[b, 5:5 + len(alone)], alone), b
+        assert (out[b, 5 + len(alone):] == eos).all(), b
+
+
 def test_generate_turns_dropout_off_and_restores_the_mode():
     """A model in train mode with heavy dropout generates what it generates in eval mode, and stays in train mode."""
     model = random_model(small_cfg(drop_rate=0.5), seed=19)
