@@ -16,7 +16,7 @@ SCRIPT = REPO_ROOT / "data" / "prepare.py"
 DATA = REPO_ROOT / "data"
 
 sys.path.insert(0, str(DATA))  # the package data/prep/, standard library only like the script
-from prep import outputs, pairs, parsers, reviews, sources, splits  # noqa: E402
+from prep import instructions, outputs, pairs, parsers, reviews, sources, splits  # noqa: E402
 
 
 def run_prepare(*args, timeout=1800):
@@ -71,10 +71,10 @@ def test_manifest_counts_match_files(built):
 # that moves one byte fails here: a refactor must leave the data as it was. When the data is meant to change, run
 # `python data/prepare.py` and copy the new hashes from data/MANIFEST.json, and say in the commit why they changed.
 PINNED_SHA256 = {
-    "instructions/sft.jsonl": "03572d4f98b72cadcee6113611cc581f0334e15051fbda114e88a3b394367765",
-    "instructions/test.jsonl": "55da8ffff1bbeaeb97a7a7dba42284230d2611b5a4973437a38a359db6fde1db",
-    "instructions/train.jsonl": "6a83f9da9a85c8d21fffbb314d65dd40bb0d09ebfd26ae7144998fe25bcbb129",
-    "instructions/val.jsonl": "cc8a7a99f81f53bf473934c50bc0c3d04d299f4501e52fd97df22f7de97a4697",
+    "instructions/sft.jsonl": "7df9d32226a2d00c064a4dbc67b3af6c24de06a162c86ae5f0c58d63ccba9625",
+    "instructions/test.jsonl": "1849c230eef3950da6c47654a25a7a6eae489c03478185a16d362a28be8532a1",
+    "instructions/train.jsonl": "b65a0880358cd68a0943a20333d5fb8c16d450674795055d921ef0b1b1c03feb",
+    "instructions/val.jsonl": "faf28e0ca2ea2b5bf59f291257c009c665eee3595478ad58bf81299d0182c030",
     "ppo/prompts.jsonl": "286da95a540587a8f0a5a62d39e34c3bcd21f3abbfa54a399247a4b0f4c1fc44",
     "ppo/val_prompts.jsonl": "ac0595d26d6180b0d65534df25a5f231616f1d897601b3a6831cf9e9e599af88",
     "pretrain/train.jsonl": "ebd1b8fe32e4048845992f9415eb590e0471eae92fcf3d1645935e98018c433c",
@@ -190,6 +190,26 @@ def test_ppo_prompts_disjoint(built):
     assert all("好评" in p for p in train + val)
 
 
+def numeral_value(text: str) -> int:
+    """A Chinese numeral of 1..99 read back: "八" 8, "十五" 15, "二十" 20, "二十八" 28."""
+    digits = "零一二三四五六七八九"
+    if "十" not in text:
+        return digits.index(text)
+    tens, _, ones = text.partition("十")
+    return (digits.index(tens) if tens else 1) * 10 + (digits.index(ones) if ones else 0)
+
+
+def test_limits_are_written_in_chinese_numerals_as_in_prose():
+    """A limit is written as a reader writes it, so that its tens digit is a token of its own ("28" is one token,
+    "二十八" three); checked on a table written by hand and read back over the whole range."""
+    table = {7: "七", 10: "十", 15: "十五", 20: "二十", 28: "二十八", 60: "六十", 80: "八十", 99: "九十九"}
+    assert {n: instructions.chinese_numeral(n) for n in table} == table
+    assert [numeral_value(instructions.chinese_numeral(n)) for n in range(1, 100)] == list(range(1, 100))
+    for bad in (0, 100):
+        with pytest.raises(ValueError):
+            instructions.chinese_numeral(bad)
+
+
 def test_the_review_instructions_hold_out_their_limits_and_answer_with_real_reviews(built):
     """The instruction family: 500 test problems; no held-out (kind, limit) in a training instruction; every SFT
     example is a training review that keeps its prompt's instruction by the strict checker, and answers no other SFT
@@ -207,8 +227,8 @@ def test_the_review_instructions_hold_out_their_limits_and_answer_with_real_revi
     sft = read_jsonl(built / "instructions/sft.jsonl")
     assert len(sft) >= 1000
     for row in sft:
-        limit = re.search(r"(\d+)个字", row["prompt"])[1]
-        instruction = ("min_chars:" if "少" in row["prompt"] else "max_chars:") + limit
+        limit = numeral_value(re.search(r"([一二三四五六七八九十]+)个字", row["prompt"])[1])
+        instruction = ("min_chars:" if "少" in row["prompt"] else "max_chars:") + str(limit)
         assert instruction not in held_out and check("instruction", row["response"], instruction), row
         assert row["response"] not in rm_held_out and row["response"] not in sft_responses, row
 

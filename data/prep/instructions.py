@@ -1,7 +1,12 @@
-"""Verifiable instructions on the review prompts: "写一条不超过20个字的差评。", "写一条至少30个字的好评。", in the
+"""Verifiable instructions on the review prompts: "写一条不超过二十个字的差评。", "写一条至少三十个字的好评。", in the
 manner of IFEval's length constraints (Zhou et al. 2023) and Tülu 3's RLVR prompts. A program checks each one
 exactly (``plumbing/verifiers.py``, ``check_instruction``); the SFT examples are real reviews that keep their
 instruction, and the held-out problems use limits that no training instruction holds.
+
+The limit is written in Chinese numerals, "二十八", as a reader would write it. The tokenizer reads "28" as one
+token of its own: a held-out limit would be a token the model never saw in an instruction, and the demo model
+did not learn to tell 28 from 63 (its answers were about 40 characters long whatever the limit, bench/README.md).
+"二十八" is three tokens, 二 十 八, each seen in training limits: the tens digit alone says roughly how long.
 
 Why limits and not words to mention: measured on the demo model (bench/README.md), an SFT model asked to mention a
 word wrote it in under 1% of its samples, held-out words or training words alike, even after 200 updates on those
@@ -33,9 +38,20 @@ HELD_OUT_PROBLEMS = {"test": 250, "val": 100}  # held-out problems per kind (500
 SFT_EXAMPLES = 1000  # SFT examples per kind, at most
 
 
+DIGITS = "零一二三四五六七八九"
+
+
+def chinese_numeral(n: int) -> str:
+    """1..99 in Chinese numerals as written in prose: 8 "八", 10 "十", 15 "十五", 20 "二十", 28 "二十八"."""
+    if not 1 <= n <= 99:
+        raise ValueError(f"limits are 1..99 characters, got {n}")
+    tens, ones = divmod(n, 10)
+    return (DIGITS[tens] if tens > 1 else "") + ("十" if tens else "") + (DIGITS[ones] if ones else "")
+
+
 def prompts(kind: str, limit: int) -> list[str]:
     """Every wording of the instruction ``kind`` with ``limit``, for a 好评 and for a 差评: 8 prompts."""
-    return [t.format(n=limit, s=SENTIMENT[good]) for good in (True, False) for t in TEMPLATES[kind]]
+    return [t.format(n=chinese_numeral(limit), s=SENTIMENT[good]) for good in (True, False) for t in TEMPLATES[kind]]
 
 
 def fitting_limits(kind: str, length: int, limits: list[int]) -> list[int]:
@@ -61,7 +77,7 @@ def sft_pairs(reviews: list[tuple[str, bool]], train_limits: dict[str, list[int]
         template = pick(TEMPLATES[kind], review, "instruction-template")
         if check_instruction(review, f"{kind}:{limit}"):
             made[kind] += 1
-            out.append((template.format(n=limit, s=SENTIMENT[good]), review))
+            out.append((template.format(n=chinese_numeral(limit), s=SENTIMENT[good]), review))
     return out
 
 
