@@ -30,10 +30,9 @@ from plumbing.judge import KL_LIMIT, mean_and_se
 from plumbing.markdown import markdown_table
 from plumbing.rollouts import (
     kl_per_response,
-    response_logits,
+    response_logprobs,
     response_mask_after,
     response_token_lists,
-    token_logprobs,
 )
 from plumbing.verifiers import FAMILIES, VERIFIERS, check, contains
 
@@ -147,8 +146,8 @@ def _measure(policy, ref, tasks, tokenizer, samples, max_new_tokens, context_len
             first = out[::samples]
             full_mask = torch.cat([mask, response_mask_after(first[:, P:], EOS_ID)], dim=1)
             response_mask = full_mask[:, P:].float()
-            logp = token_logprobs(response_logits(policy, first, full_mask, P), first[:, P:])
-            ref_logp = token_logprobs(response_logits(ref, first, full_mask, P), first[:, P:])
+            logp = response_logprobs(policy, first, full_mask, response_mask, P)  # (b, R)
+            ref_logp = response_logprobs(ref, first, full_mask, response_mask, P)  # (b, R)
             kl += kl_per_response(logp, ref_logp, response_mask).tolist()
     monitors = {}
     for scope in ("all", *FAMILIES):

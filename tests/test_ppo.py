@@ -142,6 +142,30 @@ def tiny_models(seed=0):
     return policy, copy.deepcopy(policy), reward
 
 
+def test_response_logprobs_in_groups_cut_to_length_equal_the_full_width_pass(monkeypatch):
+    """Five responses of 6, 1, 3, 2 and 4 real tokens measured two rows at a time (sorted by length, each pair cut
+    after its longer response) give the log-probs and entropies of one full-width pass at every real position,
+    and 0 after each end."""
+    policy = tiny_models()[0]
+    monkeypatch.setattr(rollouts, "MEASURE_ROWS", 2)
+    torch.manual_seed(5)
+    sequences = torch.randint(200, 1000, (5, 3 + 6))  # (B, P + R), P = 3
+    attention_mask = torch.ones_like(sequences)
+    attention_mask[1, :2] = 0  # two left-padded prompts
+    attention_mask[3, :1] = 0
+    response_mask = (torch.arange(6)[None] < torch.tensor([6, 1, 3, 2, 4])[:, None]).float()  # (5, 6)
+    attention_mask[:, 3:] = response_mask.long()
+    logprobs, entropy = rollouts.response_logprobs(policy, sequences, attention_mask, response_mask, 3, entropy=True)
+    with torch.no_grad():
+        logits = rollouts.response_logits(policy, sequences, attention_mask, 3)  # (5, 6, V)
+    real = response_mask.bool()
+    full_logprobs = rollouts.token_logprobs(logits, sequences[:, 3:])
+    assert torch.allclose(logprobs[real], full_logprobs[real], atol=1e-5)
+    assert torch.allclose(entropy[real], rollouts.entropy_from_logits(logits)[real], atol=1e-5)
+    assert not logprobs[~real].any() and not entropy[~real].any()
+    assert logprobs[real].lt(0).all()  # every real position was computed, none left at its initial 0
+
+
 def test_kl_is_zero_and_ratio_is_one_before_the_first_update(tokenizer):
     """Dropout off: the reference equals the policy, so the rollout's KL is exactly 0, and recomputing the
     log-probs through the training module gives a ratio of exactly 1."""

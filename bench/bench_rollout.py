@@ -1,0 +1,123 @@
+"""What measuring a rollout costs, full width against the rows grouped by length and cut after their longest answer.
+
+    .venv/bin/python bench/bench_rollout.py --policy checkpoints/sft --prompts data/instructions/train.jsonl
+
+Samples one GRPO iteration's answers (``--prompts_count`` prompts x ``--group_size``, up to ``--max_new_tokens``
+tokens, bf16 autocast where the CPU has it, as the stages run), then times, on the same answers, in one process:
+
+* the measurement of the rollout: the policy's log-probs and entropy and the reference's log-probs, the old way
+  (``response_logits`` over every row at full width, a log-softmax each for the log-probs and the entropy) and the
+  new way (``rollouts.response_logprobs``: rows sorted by length in groups, cut to length, one log-softmax);
+* one update pass: forward and backward of every minibatch of ``--batch_size`` random rows at full width, and cut
+  after the minibatch's longest answer (``rollouts.response_columns``): whether the update would gain from cutting
+  too (the stages do not cut it: a random minibatch nearly always holds one answer that ran long).
+
+Prints the seconds of each, the ratio, and the largest difference between the two ways' log-probs at real positions.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import types
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # the repository root
+
+import torch
+
+from chinese_tokenizer import load_tokenizer
+from plumbing.checkpoint import load_checkpoint
+from plumbing.cli import ArgumentParser, default_path, positive_int, run
+from plumbing.devices import native_bf16
+from plumbing.records import read_prompt_files
+from plumbing.rollouts import (
+    entropy_from_logits,
+    response_columns,
+    response_logits,
+    response_logprobs,
+    sample_responses,
+    token_logprobs,
+)
+
+
+def parse_args(argv=None):
+    p = ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--policy", default=default_path("checkpoints", "sft"), help="the checkpoint (policy and reference)")
+    p.add_argument("--prompts", default=default_path("data", "instructions", "train.jsonl"), help="problems (.jsonl)")
+    p.add_argument("--prompts_count", type=positive_int, default=16, help="prompts in the iteration")
+    p.add_argument("--group_size", type=positive_int, default=8, help="answers per prompt")
+    p.add_argument("--max_new_tokens", type=positive_int, default=100, help="the longest answer in tokens")
+    p.add_argument("--batch_size", type=positive_int, default=16, help="rows per update minibatch")
+    p.add_argument("--repeats", type=positive_int, default=3, help="timings per way (the best is shown)")
+    return p.parse_args(argv)
+
+
+def best_of(repeats, fn):
+    """The fastest of ``repeats`` calls of ``fn`` in seconds, and its last result."""
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        out = fn()
+        times.append(time.perf_counter() - start)
+    return min(times), out
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    cpu = next((line.split(":", 1)[1].strip() for line in subprocess.run(["lscpu"], capture_output=True, text=True)
+                .stdout.splitlines() if line.startswith("Model name")), "unknown CPU")
+    bf16 = native_bf16()
+    print(f"{cpu}, {torch.get_num_threads()} threads, {'bf16 autocast' if bf16 else 'fp32 (no native bf16)'}")
+    torch.manual_seed(0)
+    tokenizer = load_tokenizer(default_path("data", "tokenizer"))
+    policy = load_checkpoint(args.policy, tokenizer)[0].eval()
+    ref = load_checkpoint(args.policy, tokenizer)[0].eval()
+    prompts = [p for p in read_prompt_files([args.prompts], "--prompts")[:args.prompts_count]
+               for _ in range(args.group_size)]
+    ctx = policy.cfg.context_length
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16)
+    with autocast:
+        sequences, attention_mask, response_mask, P = sample_responses(
+            policy, prompts, tokenizer, types.SimpleNamespace(max_new_tokens=args.max_new_tokens), ctx, "cpu")
+    lengths = response_mask.sum(1).float()
+    print(f"{len(prompts)} answers: columns {response_mask.shape[1]}, mean length {lengths.mean():.1f} tokens")
+
+    @torch.no_grad()
+    def full_width():
+        responses = sequences[:, P:]
+        logits = response_logits(policy, sequences, attention_mask, P)
+        ref_logits = response_logits(ref, sequences, attention_mask, P)
+        return token_logprobs(logits, responses), token_logprobs(ref_logits, responses), entropy_from_logits(logits)
+
+    def grouped():
+        logprobs, entropy = response_logprobs(policy, sequences, attention_mask, response_mask, P, entropy=True)
+        return logprobs, response_logprobs(ref, sequences, attention_mask, response_mask, P), entropy
+
+    def update_pass(cut):
+        order = torch.randperm(len(prompts), generator=torch.Generator().manual_seed(0))
+        for start in range(0, len(prompts), args.batch_size):
+            idx = order[start:start + args.batch_size]
+            r = response_columns(response_mask[idx]) if cut else response_mask.shape[1]
+            ids = sequences[idx, :P + r]
+            logp = token_logprobs(response_logits(policy, ids, attention_mask[idx, :P + r], P), ids[:, P:])
+            torch.where(response_mask[idx, :r].bool(), logp, 0.0).sum().backward()
+        policy.zero_grad(set_to_none=True)
+
+    with autocast:
+        t_full, old = best_of(args.repeats, full_width)
+        t_grouped, new = best_of(args.repeats, grouped)
+        t_update_full, _ = best_of(args.repeats, lambda: update_pass(False))
+        t_update_cut, _ = best_of(args.repeats, lambda: update_pass(True))
+    real = response_mask.bool()
+    diff = max((a[real] - b[real]).abs().max().item() for a, b in zip(old, new))
+    print(f"measurement (policy log-probs + entropy, reference log-probs): full width {t_full:.2f} s, "
+          f"grouped and cut {t_grouped:.2f} s ({t_full / t_grouped:.2f}x); largest difference {diff:.2e}")
+    print(f"one update pass (minibatches of {args.batch_size}): full width {t_update_full:.2f} s, "
+          f"cut {t_update_cut:.2f} s ({t_update_full / t_update_cut:.2f}x)")
+    return 0
+
+
+if __name__ == "__main__":
+    run(main)
