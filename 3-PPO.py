@@ -220,8 +220,8 @@ def make_critic(online) -> RewardModel:
         critic.load_state_dict(online.reward_model.state_dict())
     else:
         critic.backbone.load_state_dict(online.policy.state_dict())
-        torch.nn.init.zeros_(critic.head.weight)
-        torch.nn.init.zeros_(critic.head.bias)
+        torch.nn.init.zeros_(critic.head.linear.weight)
+        torch.nn.init.zeros_(critic.head.linear.bias)
     return critic
 
 

@@ -250,6 +250,30 @@ def test_grpo_with_the_verifier_raises_held_out_accuracy_and_the_flipped_sign_lo
     assert before_flipped == before and after_flipped < before
 
 
+def test_ppo_with_the_verifier_starts_its_critic_from_the_policy_saying_zero(tmp_path, tiny_pretrain_checkpoint):
+    """With a verifier there is no reward model to start PPO's critic from: it is the SFT policy's backbone with a
+    value head that says 0 everywhere; and PPO runs end to end on verifiable problems and records exact accuracy."""
+    import types
+
+    from gpt_model import GPTModel, get_preset
+
+    PPO = load_script("3-PPO.py")
+    torch.manual_seed(0)
+    policy = GPTModel(get_preset("tiny"))
+    critic = PPO.make_critic(types.SimpleNamespace(policy=policy, reward_model=None))
+    ids = torch.randint(200, 1000, (2, 5))
+    assert torch.equal(critic(ids, torch.ones_like(ids))["values"], torch.zeros(2, 5))
+    assert all(torch.equal(a, b) for a, b in zip(critic.backbone.state_dict().values(), policy.state_dict().values()))
+
+    tasks = one_token_tasks(tmp_path / "tasks.jsonl", 8, "春")
+    out = tmp_path / "ppo"
+    assert PPO.main(["--preset", "tiny", "--verifier", "exact", "--policy", str(tiny_pretrain_checkpoint),
+                     "--prompts_file", str(tasks), "--val_prompts_file", str(tasks), "--output_dir", str(out),
+                     "--max_steps", "1", "--eval_examples", "4"]) == 0
+    tasks_measured = json.loads((out / "config.json").read_text(encoding="utf-8"))["metrics"]["tasks"]
+    assert set(tasks_measured) == {"sft", "ppo"} and 0 <= tasks_measured["ppo"]["all_pass1"] <= 1
+
+
 def test_a_special_token_inside_an_answer_makes_it_wrong(tokenizer):
     """decode drops [ANS], [CLS], [PAD] and [MASK]: "六[ANS]三二" would read as "六三二"; the verifier refuses it."""
     from chinese_tokenizer import ANSWER_ID, EOS_ID, encode
