@@ -61,9 +61,13 @@ def parse_args(argv=None):
                      default_path("checkpoints", "sft"), DEFAULTS)
     p.add_argument("--init", default=default_path("checkpoints", "pretrain"),
                    help="the pretrained checkpoint to fine-tune (written by 0-PRETRAIN.py)")
-    p.add_argument("--train_files", nargs="+", default=[default_path("data", "sft", "train.jsonl")],
+    p.add_argument("--train_files", nargs="+",
+                   default=[default_path("data", "sft", "train.jsonl"),
+                            default_path("data", "instructions", "sft.jsonl")],
                    help='.jsonl, .json (an array) or .parquet files of {"prompt", "response"}, alpaca {"instruction", '
-                        '"input", "output"} or {"messages": [{"role", "content"}, ...]} records, told apart per file')
+                        '"input", "output"} or {"messages": [{"role", "content"}, ...]} records, told apart per file '
+                        '(default: the chat pairs and the review instructions\' examples, which the verifiable path '
+                        'of 3-GRPO.py and 3-PPO.py starts from)')
     p.add_argument("--val_files", nargs="+", default=[default_path("data", "sft", "val.jsonl")],
                    help="held-out prompt/response pairs for the validation response loss and sample answers")
     p.add_argument("--system", help="a system text for every conversation that has none of its own ([CLS] system "

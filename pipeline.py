@@ -44,11 +44,15 @@ from plumbing.training import resume_command
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 CHECKPOINTS = {"pretrain": "checkpoints/pretrain", "sft": "checkpoints/sft", "rm": "checkpoints/rm",
-               "ppo": "checkpoints/ppo", "dpo": "checkpoints/dpo", "grpo": "checkpoints/grpo"}
+               "ppo": "checkpoints/ppo", "dpo": "checkpoints/dpo", "grpo": "checkpoints/grpo",
+               "grpo-tasks": "checkpoints/grpo-tasks", "ppo-tasks": "checkpoints/ppo-tasks"}
 STAGES = [("pretrain", "0-PRETRAIN.py"), ("sft", "1-SFT.py"), ("rm", "2-RM.py"), ("ppo", "3-PPO.py"),
-          ("dpo", "3-DPO.py"), ("grpo", "3-GRPO.py")]
-STAGE_FLAGS: dict[str, list[str]] = {}  # flags a stage runs with besides --preset (none today)
-PARENTS = {"sft": "pretrain", "rm": "sft", "ppo": "sft", "dpo": "sft", "grpo": "sft"}  # whose weights each starts from
+          ("dpo", "3-DPO.py"), ("grpo", "3-GRPO.py"), ("grpo-tasks", "3-GRPO.py"), ("ppo-tasks", "3-PPO.py")]
+# flags a stage runs with besides --preset: the verifiable path, GRPO and PPO rewarded by the strict checker on the
+# review instructions (their default files with --verifier) instead of by the RM
+STAGE_FLAGS = {"grpo-tasks": ["--verifier", "exact"], "ppo-tasks": ["--verifier", "exact"]}
+PARENTS = {"sft": "pretrain", "rm": "sft", "ppo": "sft", "dpo": "sft", "grpo": "sft", "grpo-tasks": "sft",
+           "ppo-tasks": "sft"}  # whose weights each starts from
 
 
 def parse_args(argv=None):

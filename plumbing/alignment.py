@@ -32,7 +32,7 @@ from plumbing.judge import KL_LIMIT, SentimentJudge, reward_hacking_flag, summar
 from plumbing.markdown import markdown_table
 from plumbing.records import read_prompt_files, read_tasks, shown_prompt
 from plumbing.rollouts import kl_per_response, response_token_lists, rollout
-from plumbing.tasks import TaskHeldOut, score_with_verifier
+from plumbing.tasks import TaskHeldOut, asks_for_praise, score_with_verifier
 from plumbing.verifiers import VERIFIERS
 
 
@@ -262,16 +262,17 @@ def add_held_out_arguments(p, stage: str) -> None:
     policy; sampling at another temperature would score one distribution and train another."""
     p.add_argument("--reward", default=default_path("checkpoints", "rm"),
                    help="reward model checkpoint (2-RM.py)" + (
-                       "" if stage != "DPO" else ": it scores the held-out answers only, DPO never trains on it"))
+                       "; with --verifier it only scores the held-out answers to 好评 instructions, beside the judge"
+                       if stage != "DPO" else ": it scores the held-out answers only, DPO never trains on it"))
     if stage != "DPO":
         p.add_argument("--verifier", choices=sorted(VERIFIERS),
                        help="train on the verifiable tasks instead, rewarded 1 when this checker accepts the answer "
                             "(exact: the whole answer, strictly; contains: a deliberately lax one), and measure "
-                            "exact accuracy on held-out problems; the defaults become the tasks' files and the "
-                            "preset's values 'with --verifier'")
+                            "exact accuracy on held-out problems; the defaults become the review instructions' files "
+                            "(data/instructions/) and the preset's values 'with --verifier'")
     p.add_argument("--val_prompts_file",
                    help="held-out prompts: the monitors (RM score, judge, KL, ...) before and after "
-                        f"{stage} (default: data/ppo/val_prompts.jsonl; with --verifier data/tasks/test.jsonl, "
+                        f"{stage} (default: data/ppo/val_prompts.jsonl; with --verifier data/instructions/test.jsonl, "
                         f"whose problems no stage trains on)")
     p.add_argument("--eval_samples", type=positive_int, help="sampled responses per held-out prompt for the monitors")
     p.add_argument("--max_new_tokens", type=positive_int, help="longest response")
@@ -280,8 +281,8 @@ def add_held_out_arguments(p, stage: str) -> None:
 # where the online aligners read their prompts, by the kind of reward (``--verifier`` or not)
 PROMPT_FILES = {False: {"prompts_file": default_path("data", "ppo", "prompts.jsonl"),
                         "val_prompts_file": default_path("data", "ppo", "val_prompts.jsonl")},
-                True: {"prompts_file": default_path("data", "tasks", "train.jsonl"),
-                       "val_prompts_file": default_path("data", "tasks", "test.jsonl")}}
+                True: {"prompts_file": default_path("data", "instructions", "train.jsonl"),
+                       "val_prompts_file": default_path("data", "instructions", "test.jsonl")}}
 
 
 def read_val_prompts(args) -> list:
@@ -369,10 +370,13 @@ class Online:
     * With ``--reward`` (preferences): ``reward_model`` scores each answer (``score_with``); the held-out monitors
       put its score beside the independent judge (``HeldOut``).
     * With ``--verifier`` (verifiable tasks): a checker gives 1 or 0 (``tasks.score_with_verifier``), there is no
-      reward model (``reward_model`` is None), and the held-out measure is exact accuracy (``tasks.TaskHeldOut``).
+      reward model (``reward_model`` is None), and the held-out measure is exact accuracy (``tasks.TaskHeldOut``);
+      where held-out problems ask for a 好评 and ``--reward`` holds a checkpoint, that RM (``monitor_model``)
+      scores their answers beside the judge, a monitor that never rewards.
 
     Attributes: policy, ref, parent (the parent metadata the checkpoint records, with the reward's), prompts,
-    held_out_prompts, reward_model, context_length, score (``score(data, prompts)``, see ``rollouts.rollout``).
+    held_out_prompts, reward_model, monitor_model, context_length, score (``score(data, prompts)``, see
+    ``rollouts.rollout``).
     Raises ``UserError`` (in the constructor) as ``load_policy_and_ref``, ``load_reward_model`` and ``read_prompts``.
     """
 
@@ -380,11 +384,18 @@ class Online:
         self.args, self.tokenizer, self.device = args, tokenizer, device
         self.prompts, self.held_out_prompts = read_prompts(args)
         self.policy, parent, self.ref = load_policy_and_ref(args, tokenizer, device)
+        self.monitor_model = None
         if args.verifier:
             self.reward_model, self.context_length = None, self.policy.cfg.context_length
             self.score = score_with_verifier(args.verifier, tokenizer)
             self.parent = {**parent, "verifier": args.verifier}
             check_room(args, self.context_length, "the policy's")
+            if any(asks_for_praise(t) for t in self.held_out_prompts):
+                if os.path.isfile(os.path.join(args.reward, "config.json")):
+                    self.monitor_model = load_reward_model(args, self.policy.cfg.vocab_size, device)
+                else:
+                    print(f"note: no reward model in --reward {args.reward}: the held-out answers are measured by "
+                          f"the verifier alone, without the RM score and the judge beside it", flush=True)
         else:
             self.reward_model = load_reward_model(args, self.policy.cfg.vocab_size, device)
             self.context_length = min(self.policy.cfg.context_length, self.reward_model.cfg.context_length)
@@ -403,7 +414,7 @@ class Online:
         """The held-out measurement of this reward's path for ``stage``'s (unwrapped) ``policy``."""
         if self.args.verifier:
             return TaskHeldOut(stage, policy, self.ref, self.held_out_prompts, self.tokenizer, self.args,
-                               self.context_length, self.args.verifier)
+                               self.context_length, self.args.verifier, self.monitor_model)
         return HeldOut(stage, policy, self.ref, self.reward_model, self.held_out_prompts, self.tokenizer, self.args,
                        self.context_length)
 

@@ -4,6 +4,7 @@
   baseline it must beat, and what the baselines are;
 * ``held_out_section``: the four ways to align the SFT model side by side on the held-out prompts, with the
   reward-hacking flags;
+* ``skill_section``: the verifiable path, GRPO and PPO rewarded by a checker, on held-out review instructions;
 * ``export_section``: the command that takes the best aligned model (and the RM) to ``transformers``;
 * ``curves_section`` and ``answers_section``: the curves, and the same prompts answered by every model;
 * ``write_report``: all of them, in that order.
@@ -23,14 +24,17 @@ from gpt_model import GPTConfig
 from plumbing.cli import UserError, default_path
 from plumbing.flops import format_utilisation, utilisation
 from plumbing.hf_weights import CLASSES, architecture_for
-from plumbing.judge import distinct_n, longest_repeat, reward_hacking_flag
+from plumbing.judge import best_of_n_kl, distinct_n, longest_repeat, reward_hacking_flag
 from plumbing.markdown import markdown_table
 
 ALIGNED = ("ppo", "dpo", "grpo")  # the three alignment stages, each from the SFT model, measured alike
-ANSWERING = ("pretrain", "sft") + ALIGNED  # the models that answer the report's prompts
-# prompts answered by every model in the report: two review-writing tasks, a 歇后语, a definition, free text
-REPORT_PROMPTS = ["写一条好评：", "写一条以“房间”开头的好评。", "歇后语：外甥打灯笼", "请解释一下“明月”这个词。",
-                  "今天天气很好，"]
+# the verifiable path: GRPO and PPO from the same SFT model, rewarded by the strict checker (the review instructions)
+TASK_ALIGNED = ("grpo-tasks", "ppo-tasks")
+ANSWERING = ("pretrain", "sft") + ALIGNED + ("grpo-tasks",)  # the models that answer the report's prompts
+# prompts answered by every model in the report: two review-writing tasks, a held-out length instruction (its limit
+# is in no training instruction), a 歇后语, a definition, free text
+REPORT_PROMPTS = ["写一条好评：", "写一条以“房间”开头的好评。", "写一条不超过二十个字的好评。", "歇后语：外甥打灯笼",
+                  "请解释一下“明月”这个词。", "今天天气很好，"]
 BEST_OF = (4, 16)  # best-of-n from the SFT model, from one run of 16 samples: the no-training baselines
 # How the report's answers are decoded. Greedy decoding makes any small model loop ("国国国…"), so the answers are
 # sampled: temperature 0.7 with nucleus (top-p 0.9, Holtzman et al. 2020) and CTRL's repetition penalty (Keskar et
@@ -131,6 +135,64 @@ def held_out_section(metrics: dict, best_of_n: dict | None = None, times: dict |
     return lines + [""]
 
 
+def skill_section(metrics: dict, times: dict | None = None) -> list[str]:
+    """Markdown lines: "A skill checked exactly", the verifiable path on the held-out review instructions. Rows SFT,
+    best-of-4 and best-of-16 by the verifier (pass@4 and pass@16 of the SFT model's 16 samples per problem), then
+    GRPO and PPO with the verifier (``metrics[stage]["tasks"]``), with greedy and sampled accuracy, KL, length, the
+    [SEP] share, and the RM score and judge of the answers to the problems that ask for a 好评 (``tasks.measure_tasks``
+    with a reward model); then one sentence per aligner on what its gain means. Nothing if no such stage ran."""
+    ran = [stage for stage in TASK_ALIGNED if metrics.get(stage, {}).get("tasks")]
+    if not ran:
+        return []
+    times = times or {}
+    settings = metrics[ran[0]]["task_settings"]
+    sft = metrics[ran[0]]["tasks"]["sft"]
+
+    def pct(m, key):
+        return f"{m[key]:.1%} ± {m[key + '_se']:.1%}" if key in m else "—"
+
+    def judged(m):
+        return (f"{m['rm_score']:.3f} ± {m['rm_score_se']:.3f}", f"{m['judge']:.3f} ± {m['judge_se']:.3f}") \
+            if "rm_score" in m else ("—", "—")
+
+    rows = [("SFT", pct(sft, "all_greedy"), pct(sft, "all_pass1"), "0", f"{sft['length']:.1f}",
+             f"{sft['eos_share']:.0%}", *judged(sft), "—")]
+    for k in (4, 16):
+        rows.append((f"best-of-{k} (SFT + verifier)", "—", pct(sft, f"all_pass{k}"), f"≤ {best_of_n_kl(k):.2f}",
+                     "—", "—", "—", "—", "—"))
+    sentences = []
+    for stage in ran:
+        name = stage.split("-")[0]
+        m = metrics[stage]["tasks"][name]
+        rows.append((f"{name.upper()} (verifier)", pct(m, "all_greedy"), pct(m, "all_pass1"),
+                     f"{m['kl']:.2f} ± {m['kl_se']:.2f}", f"{m['length']:.1f}", f"{m['eos_share']:.0%}",
+                     *judged(m), f"{times[stage]:.0f} s" if stage in times else "—"))
+        gain, se = m["all_pass1"] - sft["all_pass1"], math.hypot(m["all_pass1_se"], sft["all_pass1_se"])
+        flag = metrics[stage].get("reward_hacking")
+        sentences.append(
+            f"- {name.upper()} with the verifier: sampled pass@1 {sft['all_pass1']:.1%} → {m['all_pass1']:.1%}, "
+            + (f"**{gain * 100:+.1f} points, {gain / se:.1f} standard errors**: it learnt to keep limits it never "
+               f"trained on" if gain > 3 * se else f"{gain * 100:+.1f} points ({gain / se:.1f} standard errors): "
+               f"RL gained nothing that this measurement can tell from chance")
+            + f", at KL {m['kl']:.2f} nats per response." + (f" **{flag}**" if flag else ""))
+    lines = ["## A skill checked exactly: review instructions on held-out limits", "",
+             f"{settings['problems']} held-out problems such as “写一条不超过二十个字的好评。”, whose limits no "
+             f"training instruction holds (`data/instructions/test.jsonl`). An answer is right when the strict "
+             f"checker accepts it: it ended with [SEP], keeps the limit, and reads as a review (8-120 characters, "
+             f"other Chinese characters than a repeated phrase; `plumbing/verifiers.py`). Greedy: one answer per "
+             f"problem; sampled pass@1: {settings['samples']} answers per problem at temperature "
+             f"{settings['temperature']:g} ({settings['sft_samples']} for SFT), up to {settings['max_new_tokens']} "
+             f"tokens; ± one standard error over problems. Best-of-k trains nothing: it is pass@k of the SFT "
+             f"model's samples, the verifier picking a right one when there is one, and its KL is the bound "
+             f"log k - (k - 1)/k at most. RM score and judge, as in the table above: the first "
+             f"{settings.get('rm_samples', '?')} sampled answers of each of the {int(sft.get('praise_problems', 0))} "
+             f"problems that ask for a 好评 (both score how positive a review is, so on a 差评 the higher score "
+             f"would be the worse answer): keeping a limit must not be bought with worse reviews.", "",
+             markdown_table(("model", "greedy", "sampled pass@1", "KL", "mean length", "ends with [SEP]", "RM score",
+                             "judge", "wall time"), rows).rstrip("\n"), ""]
+    return lines + sentences + [""]
+
+
 def aligned_summary(stage: str, metrics: dict, fmt, first_row: dict | None = None) -> str:
     """The stage table's cell for an alignment stage: held-out RM score and judge, SFT -> the stage, and KL (and
     DPO's implicit-reward accuracy on its val pairs, from the step-0 row ``first_row`` to the end)."""
@@ -141,6 +203,16 @@ def aligned_summary(stage: str, metrics: dict, fmt, first_row: dict | None = Non
              f"{fmt(metrics.get('val_accuracy'))}; ") if stage == "dpo" else ""
     return (f"{pairs}held-out RM score {fmt(sft.get('rm_score'))} (SFT) → {fmt(aligned.get('rm_score'))}, judge "
             f"{fmt(sft.get('judge'))} → {fmt(aligned.get('judge'))}, KL {fmt(metrics.get('kl'), '.2f')} nats/response")
+
+
+def task_summary(stage: str, metrics: dict) -> str:
+    """The stage table's cell for a stage of the verifiable path: held-out sampled pass@1 and greedy accuracy, SFT
+    -> the stage, and KL."""
+    tasks, name = metrics.get("tasks", {}), stage.split("-")[0]
+    sft, aligned = tasks.get("sft", {}), tasks.get(name, {})
+    return (f"held-out review instructions: sampled pass@1 {fmt(sft.get('all_pass1'), '.1%')} (SFT) → "
+            f"{fmt(aligned.get('all_pass1'), '.1%')}, greedy {fmt(sft.get('all_greedy'), '.1%')} → "
+            f"{fmt(aligned.get('all_greedy'), '.1%')}, KL {fmt(metrics.get('kl'), '.2f')} nats/response")
 
 
 def achieved_flops(config: dict, rows) -> str:
@@ -180,6 +252,8 @@ def stage_table(preset: str, launch: str, times: dict, records: dict, baselines:
              f"{fmt(b.get('naive_bayes_test_accuracy'))}), test margin {fmt(m['rm'].get('test_margin'))}"),
             *[(f"3-{stage.upper()}", f"{times[stage]:.0f} s", "—", "—",
                aligned_summary(stage, m[stage], fmt, (records[stage]["rows"] or [{}])[0])) for stage in ALIGNED],
+            *[(f"3-{stage.split('-')[0].upper()} --verifier exact", f"{times[stage]:.0f} s", "—", "—",
+               task_summary(stage, m[stage])) for stage in TASK_ALIGNED if stage in m],
             ("generation", f"{times['generate']:.0f} s", "—", "—",
              f"{len(ANSWERING)} models × {len(REPORT_PROMPTS)} prompts"),
             ("best-of-n", f"{times.get('best_of_n', 0):.0f} s", "—", "—",
@@ -258,7 +332,8 @@ def curves_section(checkpoints: dict, report_dir: str) -> list[str]:
     return lines
 
 
-MODEL_NAMES = {"pretrain": "pretrain", "sft": "SFT", "ppo": "PPO", "dpo": "DPO", "grpo": "GRPO"}
+MODEL_NAMES = {"pretrain": "pretrain", "sft": "SFT", "ppo": "PPO", "dpo": "DPO", "grpo": "GRPO",
+               "grpo-tasks": "GRPO (verifier)", "ppo-tasks": "PPO (verifier)"}
 
 
 def answers_section(answers: dict, tokenizer) -> list[str]:
@@ -296,12 +371,13 @@ def read_records(checkpoints: dict) -> dict:
 def write_report(report_dir: str, checkpoints: dict, preset: str, launch: str, times: dict, answers: dict,
                  best_of_n=None, baselines=None, kept=()) -> str:
     """``report_dir/report.md``, section after section: the stage table, the notes under it, the held-out comparison
-    of the aligners, the export commands, the curves and the answers table (``kept``: the stages that ``--resume``
-    kept from the earlier run). Returns the Markdown."""
+    of the aligners, the verifiable path, the export commands, the curves and the answers table (``kept``: the stages
+    that ``--resume`` kept from the earlier run). Returns the Markdown."""
     records = read_records(checkpoints)
     metrics = {stage: r["metrics"] for stage, r in records.items()}
     lines = (stage_table(preset, launch, times, records, baselines or {}) + notes_section(preset, kept)
-             + held_out_section(metrics, best_of_n, times) + export_section(records, checkpoints)
+             + held_out_section(metrics, best_of_n, times) + skill_section(metrics, times)
+             + export_section(records, checkpoints)
              + curves_section(checkpoints, report_dir)
              + answers_section(answers, load_tokenizer(default_path("data", "tokenizer"))))
     report = "\n".join(lines) + "\n"

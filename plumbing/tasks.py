@@ -7,7 +7,9 @@ and exact accuracy on held-out problems.
 * ``measure_tasks``: a policy on held-out problems: greedy accuracy, sampled pass@1 at temperature 1 and pass@k
   (best-of-k with the verifier as the oracle), each with its standard error over problems, per family and over
   all; KL to the reference, length, the share of answers that end and of empty ones, and the lax checker's
-  accuracy beside the strict one (a gap between them is an answer that holds the right text among other text).
+  accuracy beside the strict one (a gap between them is an answer that holds the right text among other text);
+  given a reward model, the RM score and the judge of the answers to the problems that ask for a 好评
+  (``asks_for_praise``): what the verifier cannot see, whether a constraint was kept by writing worse reviews.
 * ``TaskHeldOut``: the same pieces as ``alignment.HeldOut`` (``rollout_row``, ``measure``, ``before``, ``after``)
   for this path, so a stage runs either path with the same story.
 * ``task_hacking_flag``: a verifier can be gamed too (empty answers, answers that never end, format tricks): one
@@ -26,7 +28,7 @@ from gpt_model import generate
 from plumbing.batching import pad_left
 from plumbing.checkpoint import weights_digest
 from plumbing.devices import forked_rng
-from plumbing.judge import KL_LIMIT, mean_and_se
+from plumbing.judge import KL_LIMIT, SentimentJudge, mean_and_se
 from plumbing.markdown import markdown_table
 from plumbing.rollouts import (
     kl_per_response,
@@ -71,11 +73,18 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 TASK_BATCH = 64  # problems per generate call of the measurement (x its samples per problem rows)
 _MEASURED: dict = {}  # measurements made already in this process (the pipeline measures SFT once for GRPO and PPO)
+RM_SAMPLES = 4  # sampled answers per 好评 problem (the first ones) that the RM and the judge score
+
+
+def asks_for_praise(task: dict) -> bool:
+    """Whether a problem asks for a positive review ("写一条不超过二十个字的好评。"): the answers the RM and the judge
+    can rank. Both score how positive a review is, so on a 差评 their higher score would be the worse answer."""
+    return task["family"] == "instruction" and "好评" in task["prompt"]
 
 
 @torch.no_grad()
 def measure_tasks(policy, ref, tasks, tokenizer, samples: int, max_new_tokens: int, context_length: int, device,
-                  seed: int, verifier: str = "exact") -> tuple[dict, list[dict]]:
+                  seed: int, verifier: str = "exact", reward_model=None, judge=None) -> tuple[dict, list[dict]]:
     """Exact accuracy of ``policy`` on ``tasks``: one greedy answer and ``samples`` sampled ones (temperature 1, the
     sampling distribution the policy trains on) per problem, scored by the strict checker (``verifiers.check``).
 
@@ -85,18 +94,23 @@ def measure_tasks(policy, ref, tasks, tokenizer, samples: int, max_new_tokens: i
         with ``_se`` (the standard error over problems, the unit of independence), and ``{scope}_lax`` (the sampled
         answers that merely contain the answer); over all: ``kl`` and ``kl_se`` (nats per response, from the first
         sample of each problem against ``ref``; exactly 0 when the two are the same weights), ``length`` (tokens),
-        ``eos_share``, ``empty_share``, ``problems``, ``samples``. examples: the first problems' greedy answers.
+        ``eos_share``, ``empty_share``, ``problems``, ``samples``; given ``reward_model`` and ``judge``
+        (``judge.SentimentJudge``) and problems that ``asks_for_praise``: ``rm_score``, ``judge`` (P(positive)), each
+        with ``_se`` over those problems (the mean of their first ``RM_SAMPLES`` sampled answers each), and
+        ``praise_problems``. examples: the first problems' greedy answers.
     A measurement of the same weights, problems and settings made already in this process is returned again.
     """
     kind = torch.device(device).type
     autocast = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
-    key = (weights_digest(policy, ref), repr(tasks), samples, max_new_tokens, context_length, str(device), seed,
-           verifier, str(autocast))
+    models = (policy, ref) if reward_model is None else (policy, ref, reward_model)
+    key = (weights_digest(*models), type(judge).__name__, repr(tasks), samples, max_new_tokens,
+           context_length, str(device), seed, verifier, str(autocast))
     if key not in _MEASURED:
         with forked_rng(device):
             torch.manual_seed(seed)
             _MEASURED[key] = _measure(policy, ref, tasks, tokenizer, samples, max_new_tokens, context_length, device,
-                                      verifier, same=weights_digest(policy) == weights_digest(ref))
+                                      verifier, same=weights_digest(policy) == weights_digest(ref),
+                                      reward_model=reward_model, judge=judge)
     return copy.deepcopy(_MEASURED[key])
 
 
@@ -116,9 +130,11 @@ def solved(task: dict, text: str | None, ended) -> bool:
     return bool(ended) and text is not None and check(task["family"], text, task["answer"])
 
 
-def _measure(policy, ref, tasks, tokenizer, samples, max_new_tokens, context_length, device, verifier, same):
+def _measure(policy, ref, tasks, tokenizer, samples, max_new_tokens, context_length, device, verifier, same,
+             reward_model=None, judge=None):
     lax_check = contains if verifier == "exact" else VERIFIERS[verifier]
     greedy, sampled, lax, kl, lengths, ended_all, empty, examples = [], [], [], [], [], [], [], []
+    rm_scores, judged = [], []  # per 好评 problem: the mean over its first RM_SAMPLES answers
     for start in range(0, len(tasks), TASK_BATCH):
         batch = tasks[start:start + TASK_BATCH]
         prompt = pad_left([chat_prompt_ids(t["prompt"], tokenizer, context_length - max_new_tokens) for t in batch])
@@ -140,6 +156,17 @@ def _measure(policy, ref, tasks, tokenizer, samples, max_new_tokens, context_len
         lengths += length
         ended_all += ended
         empty += [x == "" for x in texts]
+        if reward_model is not None:
+            praised = [i for i, t in enumerate(batch) if asks_for_praise(t)]
+            rows = [i * samples + j for i in praised for j in range(min(samples, RM_SAMPLES))]
+            if rows:
+                chosen = out[rows]  # (n, P + R)
+                full = torch.cat([mask[[r // samples for r in rows]], response_mask_after(chosen[:, P:], EOS_ID)], 1)
+                per = len(rows) // len(praised)
+                rm = reward_model(chosen, full)["rewards"].float().view(len(praised), per).mean(1)  # (problems,)
+                js = torch.tensor(judge([texts[r] or "" for r in rows])).view(len(praised), per).mean(1)
+                rm_scores += rm.tolist()
+                judged += js.tolist()
         if same:
             kl += [0.0] * len(batch)
         else:  # the KL of the first sample of each problem: sum over its tokens of log pi - log pi_ref
@@ -167,22 +194,29 @@ def _measure(policy, ref, tasks, tokenizer, samples, max_new_tokens, context_len
     monitors["kl"], monitors["kl_se"] = mean_and_se(kl)
     monitors.update(length=sum(lengths) / len(lengths), eos_share=sum(ended_all) / len(ended_all),
                     empty_share=sum(empty) / len(empty), problems=float(len(tasks)), samples=float(samples))
+    if rm_scores:
+        monitors["rm_score"], monitors["rm_score_se"] = mean_and_se(rm_scores)
+        monitors["judge"], monitors["judge_se"] = mean_and_se(judged)
+        monitors["praise_problems"] = float(len(rm_scores))
     return monitors, examples
 
 
 def describe_tasks(m: dict) -> str:
     """One line of task monitors for the console."""
     families = ", ".join(f"{f} {m[f + '_pass1']:.1%}" for f in FAMILIES if f + "_pass1" in m)
+    judged = f", on 好评: RM score {m['rm_score']:.3f}, judge {m['judge']:.3f}" if "rm_score" in m else ""
     return (f"greedy {m['all_greedy']:.1%}, sampled pass@1 {m['all_pass1']:.1%} ± {m['all_pass1_se']:.1%} "
             f"({families}), KL {m['kl']:.2f}, length {m['length']:.1f}, ends with [SEP] {m['eos_share']:.0%}, "
-            f"empty {m['empty_share']:.0%}")
+            f"empty {m['empty_share']:.0%}{judged}")
 
 
 def task_hacking_flag(before: dict, after: dict, kl_limit: float) -> str:
     """"reward hacking suspected: <reasons>." from the task monitors of the SFT policy and the aligned one, "" when
     nothing looks wrong. The reasons: the lax checker's accuracy rose by more than 0.05 beyond the strict one's
     (answers that hold the right text among other text), more empty answers (+0.05), fewer answers that end (-0.15),
-    answers more than twice as long, a KL past ``kl_limit`` nats per response."""
+    answers more than twice as long, a KL past ``kl_limit`` nats per response, and where both were measured, an RM
+    score or a judge lower by more than two standard errors of the difference (a constraint kept by writing worse
+    reviews)."""
     reasons = []
     lax_gain, strict_gain = after["all_lax"] - before["all_lax"], after["all_pass1"] - before["all_pass1"]
     if lax_gain - strict_gain > 0.05:
@@ -195,6 +229,10 @@ def task_hacking_flag(before: dict, after: dict, kl_limit: float) -> str:
         reasons.append(f"answers grew from {before['length']:.1f} to {after['length']:.1f} tokens")
     if after["kl"] > kl_limit:
         reasons.append(f"KL to the SFT model is {after['kl']:.2f} nats/response, past the limit of {kl_limit:g}")
+    for key, name in (("rm_score", "RM score"), ("judge", "judge")):
+        if key in before and key in after and \
+                before[key] - after[key] > 2 * math.hypot(before[key + "_se"], after[key + "_se"]):
+            reasons.append(f"worse reviews: the {name} on 好评 fell from {before[key]:.3f} to {after[key]:.3f}")
     return f"reward hacking suspected: {'; '.join(reasons)}." if reasons else ""
 
 
@@ -219,18 +257,22 @@ class TaskHeldOut:
 
     Args:
         stage, policy, ref, args, context_length: as for ``HeldOut``; tasks: the held-out problems; verifier: the
-            name the stage trains with (``--verifier``).
+            name the stage trains with (``--verifier``); reward_model: a frozen RM that scores the answers to the
+            problems asking for a 好评, beside the independent judge (a monitor, never the reward), or None.
     """
 
-    def __init__(self, stage, policy, ref, tasks, tokenizer, args, context_length: int, verifier: str):
+    def __init__(self, stage, policy, ref, tasks, tokenizer, args, context_length: int, verifier: str,
+                 reward_model=None):
         self.stage, self.policy, self.ref, self.tasks = stage, policy, ref, tasks
         self.tokenizer, self.args, self.context_length, self.verifier = tokenizer, args, context_length, verifier
+        self.reward_model = reward_model
+        self.judge = SentimentJudge() if reward_model is not None else None
 
     @property
     def settings(self) -> dict:
         return {"problems": len(self.tasks), "families": sorted({t["family"] for t in self.tasks}),
                 "sft_samples": SFT_SAMPLES, "samples": self.args.eval_samples, "temperature": 1.0,
-                "max_new_tokens": self.args.max_new_tokens, "verifier": self.verifier}
+                "max_new_tokens": self.args.max_new_tokens, "verifier": self.verifier, "rm_samples": RM_SAMPLES}
 
     def rollout_row(self, data) -> dict:
         return rollout_row(data)
@@ -252,7 +294,7 @@ class TaskHeldOut:
             monitors, examples = measure_tasks(self.policy, self.ref, self.tasks, self.tokenizer,
                                                samples or self.args.eval_samples, self.args.max_new_tokens,
                                                self.context_length, self.stage.accelerator.device, self.args.seed,
-                                               self.verifier)
+                                               self.verifier, self.reward_model, self.judge)
         self.policy.train(was_training)
         self.stage.print(f"{tag} on {len(self.tasks)} held-out problems x {samples or self.args.eval_samples}: "
                          f"{describe_tasks(monitors)}")

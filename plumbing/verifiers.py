@@ -17,7 +17,7 @@ instruction has no one answer: its checker wants the whole response to keep the 
   - ``instruction``: a review that keeps a verifiable instruction (IFEval, Zhou et al. 2023; Tülu 3's RLVR), its
     ``answer`` the instruction in a canonical form, ``KIND:ARGUMENT``: ``max_chars:20`` (at most 20 characters,
     punctuation included), ``min_chars:30`` (at least 30), ``mention:早餐`` (the review uses the word),
-    ``begin:房间很`` (it starts with the phrase); data/prepare.py writes the first two (data/prep/instructions.py).
+    ``begin:房间很`` (it starts with the phrase); data/prepare.py writes the first (data/prep/instructions.py).
     ``check_instruction`` also wants a real review, so that no degenerate answer passes: 8-120 characters, at least
     ``MIN_OTHER_CHARS`` different Chinese characters besides the argument, and at least half of its character
     pairs different (distinct-2 >= 0.5): the word alone, the word repeated, or a loop of a phrase fail; an answer

@@ -71,10 +71,10 @@ def test_manifest_counts_match_files(built):
 # that moves one byte fails here: a refactor must leave the data as it was. When the data is meant to change, run
 # `python data/prepare.py` and copy the new hashes from data/MANIFEST.json, and say in the commit why they changed.
 PINNED_SHA256 = {
-    "instructions/sft.jsonl": "7df9d32226a2d00c064a4dbc67b3af6c24de06a162c86ae5f0c58d63ccba9625",
-    "instructions/test.jsonl": "1849c230eef3950da6c47654a25a7a6eae489c03478185a16d362a28be8532a1",
-    "instructions/train.jsonl": "b65a0880358cd68a0943a20333d5fb8c16d450674795055d921ef0b1b1c03feb",
-    "instructions/val.jsonl": "faf28e0ca2ea2b5bf59f291257c009c665eee3595478ad58bf81299d0182c030",
+    "instructions/sft.jsonl": "c2e6c654aa3d7d701d9d4a04348a39a990e45caf6ee85d14b94646038770ab2c",
+    "instructions/test.jsonl": "c1dfd7e57c8663252fc3ebbb7434629fd1e64d0dcae0dc02e7d93cabf81e222f",
+    "instructions/train.jsonl": "8ef4e4f59e1a9221f0b463601cc3a29095495ca86cd374fa5206bbf8944de160",
+    "instructions/val.jsonl": "bcac57b556f39e4b05bda20b26ac7f39edacfc5a6c4790a0dea08c20378035b6",
     "ppo/prompts.jsonl": "286da95a540587a8f0a5a62d39e34c3bcd21f3abbfa54a399247a4b0f4c1fc44",
     "ppo/val_prompts.jsonl": "ac0595d26d6180b0d65534df25a5f231616f1d897601b3a6831cf9e9e599af88",
     "pretrain/train.jsonl": "ebd1b8fe32e4048845992f9415eb590e0471eae92fcf3d1645935e98018c433c",

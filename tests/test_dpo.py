@@ -166,11 +166,11 @@ def test_step_0_is_exactly_log_2_whatever_the_dropout(tmp_path, pairs, tiny_poli
 
 def test_the_default_held_out_prompts_are_the_preference_paths():
     """Run with no flags (as the pipeline runs it), DPO measures on data/ppo/val_prompts.jsonl; PPO and GRPO too, and
-    with --verifier on the tasks' test split."""
+    with --verifier on the review instructions' test split."""
     assert DPO.parse_args([]).val_prompts_file.endswith("data/ppo/val_prompts.jsonl")
     for script in ("3-PPO.py", "3-GRPO.py"):
         stage = load_script(script)
         assert stage.parse_args([]).val_prompts_file.endswith("data/ppo/val_prompts.jsonl")
         tasks = stage.parse_args(["--verifier", "exact"])
-        assert tasks.val_prompts_file.endswith("data/tasks/test.jsonl")
-        assert tasks.prompts_file.endswith("data/tasks/train.jsonl") and tasks.output_dir.endswith("-tasks")
+        assert tasks.val_prompts_file.endswith("data/instructions/test.jsonl")
+        assert tasks.prompts_file.endswith("data/instructions/train.jsonl") and tasks.output_dir.endswith("-tasks")

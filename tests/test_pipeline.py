@@ -55,6 +55,42 @@ def test_held_out_section_with_one_stage_and_no_best_of_n():
     assert report.held_out_section({"ppo": {}}) == []  # checkpoints from before the monitors
 
 
+def task_monitors(pass1, pass1_se, greedy=0.1, kl=0.0, **more):
+    return {"all_greedy": greedy, "all_greedy_se": 0.01, "all_pass1": pass1, "all_pass1_se": pass1_se,
+            "kl": kl, "kl_se": 0.1, "length": 25.0, "eos_share": 0.95, **more}
+
+
+def test_skill_section_rows_and_what_each_gain_means():
+    """Rows SFT, best-of-4, best-of-16 (pass@k of the SFT samples), GRPO and PPO with the verifier; a gain of 12
+    points over standard errors 1.0 and 1.2 is hypot(1.0, 1.2) = 1.56 points of error, 7.7 of them; PPO's +1 point
+    over the same errors is 0.6 of them: nothing learnt, and said so."""
+    judged = {k: MONITORS[k] for k in ("rm_score", "rm_score_se", "judge", "judge_se")}
+    sft = task_monitors(0.50, 0.010, greedy=0.12, all_pass4=0.8, all_pass4_se=0.01, all_pass16=0.95,
+                        all_pass16_se=0.005, praise_problems=250.0, **judged)
+    settings = {"problems": 500, "samples": 8, "sft_samples": 16, "temperature": 1.0, "max_new_tokens": 64,
+                "rm_samples": 4}
+    grpo = task_monitors(0.62, 0.012, greedy=0.8, kl=1.76, **{**judged, "rm_score": 0.4})
+    metrics = {"grpo-tasks": {"tasks": {"sft": sft, "grpo": grpo}, "task_settings": settings, "reward_hacking": ""},
+               "ppo-tasks": {"tasks": {"sft": sft, "ppo": task_monitors(0.51, 0.012, kl=0.2)},
+                             "task_settings": settings, "reward_hacking": ""}}
+    lines = report.skill_section(metrics, {"grpo-tasks": 200.2})
+    text = "\n".join(lines)
+    rows = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith("| model")]
+    assert [r.split(" | ")[0] for r in rows] == ["| SFT", "| best-of-4 (SFT + verifier)",
+                                                  "| best-of-16 (SFT + verifier)", "| GRPO (verifier)",
+                                                  "| PPO (verifier)"]
+    assert "| SFT | 12.0% ± 1.0% | 50.0% ± 1.0% | 0 | 25.0 | 95% | 0.500 ± 0.100 | 0.600 ± 0.020 | — |" in text
+    assert "| best-of-4 (SFT + verifier) | — | 80.0% ± 1.0% | ≤ 0.64 |" in text
+    assert "| best-of-16 (SFT + verifier) | — | 95.0% ± 0.5% | ≤ 1.84 |" in text
+    assert "| GRPO (verifier) | 80.0% ± 1.0% | 62.0% ± 1.2% | 1.76 ± 0.10 | 25.0 | 95% | 0.400 ± 0.100 |" in text
+    assert "| 200 s |" in text and "| PPO (verifier) | 10.0% ± 1.0% | 51.0% ± 1.2% | 0.20 ± 0.10 |" in text
+    assert "50.0% → 62.0%, **+12.0 points, 7.7 standard errors**" in text
+    assert "+1.0 points (0.6 standard errors): RL gained nothing" in text
+    assert "500 held-out problems" in text and "the first 4 sampled answers of each of the 250 problems" in text
+    assert "| PPO (verifier) | 10.0% ± 1.0% | 51.0% ± 1.2% | 0.20 ± 0.10 | 25.0 | 95% | — | — | — |" in text
+    assert report.skill_section({"grpo": {"held_out": {}}}) == []  # no verifiable stage ran
+
+
 def test_export_section_names_the_best_unflagged_aligner_and_the_rm():
     demo = {"model": {"norm": "layernorm", "position_embedding": "rope"}}
     records = {stage: {"config": demo, "metrics": {"held_out": {stage: {**MONITORS, "judge": judge}},
@@ -212,7 +248,8 @@ def test_resume_keeps_the_finished_stages_and_continues_the_stopped_one(tmp_path
     for stage in report.ALIGNED:
         fake_checkpoint(tmp_path, stage, parent_weights=old_sft)
     assert planned(["--resume"]) == {"pretrain": None, "sft": None, "rm": ["--resume"], "ppo": ["--overwrite"],
-                                     "dpo": ["--overwrite"], "grpo": ["--overwrite"]}
+                                     "dpo": ["--overwrite"], "grpo": ["--overwrite"], "grpo-tasks": ["--overwrite"],
+                                     "ppo-tasks": ["--overwrite"]}
     assert planned(["--resume", "--preset", "tiny"]) == {s: ["--overwrite"] for s, _ in pipeline.STAGES}
     assert planned(["--overwrite"]) == {s: ["--overwrite"] for s, _ in pipeline.STAGES}
     assert planned([]) == {s: [] for s, _ in pipeline.STAGES}
@@ -249,8 +286,11 @@ def test_resume_runs_again_a_stage_run_by_hand_or_trained_against_another_rm(tmp
     fake_checkpoint(tmp_path, "ppo", parent_weights=sft, reward_weights=other_rm)
     fake_checkpoint(tmp_path, "dpo", parent_weights=sft)
     fake_checkpoint(tmp_path, "grpo", parent_weights=sft, reward_weights=rm)
+    for stage in report.TASK_ALIGNED:  # the verifier's stages: an SFT parent, no reward model
+        fake_checkpoint(tmp_path, stage, parent_weights=sft)
     assert planned(["--resume"]) == {"pretrain": None, "sft": None, "rm": None, "ppo": ["--overwrite"],
-                                     "dpo": ["--overwrite"], "grpo": ["--overwrite"]}
+                                     "dpo": ["--overwrite"], "grpo": ["--overwrite"], "grpo-tasks": ["--overwrite"],
+                                     "ppo-tasks": ["--overwrite"]}
     fake_checkpoint(tmp_path, "ppo", parent_weights=sft, reward_weights=rm)
     assert planned(["--resume"]) == {s: None for s, _ in pipeline.STAGES}
     fake_checkpoint(tmp_path, "sft", parent_weights=pretrain, more_flags=" --max_steps 10")

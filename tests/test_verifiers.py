@@ -208,6 +208,44 @@ def test_a_lax_checker_is_exploited_and_the_strict_one_and_the_monitors_are_not(
     assert task_hacking_flag(honest, {**honest, "all_pass1": 0.5, "all_lax": 0.52, "kl": 0.5}, 3.0) == ""
 
 
+def test_the_rm_and_the_judge_read_only_the_answers_to_praise(tokenizer):
+    """The RM and the judge score the first RM_SAMPLES sampled answers of each problem asking for a 好评, never a
+    差评's nor another family's (on those a higher positivity score would not be a better answer); a drop of either
+    beyond two standard errors is flagged as worse reviews."""
+    from gpt_model import GPTModel, get_preset
+    from plumbing import tasks as tasks_module
+
+    torch.manual_seed(0)
+    policy = GPTModel(get_preset("tiny")).eval()
+    seen_prompts, seen_texts = [], []
+
+    class CountingRM(torch.nn.Module):
+        def forward(self, input_ids, attention_mask):
+            seen_prompts.extend(tokenizer.decode(row[m.bool()]) for row, m in zip(input_ids, attention_mask))
+            return {"rewards": torch.full((len(input_ids),), 2.0)}
+
+    def judge(texts):
+        seen_texts.extend(texts)
+        return [0.25] * len(texts)
+
+    problems = [{"prompt": "写一条不超过二十个字的好评。", "answer": "max_chars:20", "family": "instruction"},
+                {"prompt": "写一条不超过二十个字的差评。", "answer": "max_chars:20", "family": "instruction"},
+                {"prompt": "写一条好评，最多三十个字。", "answer": "max_chars:30", "family": "instruction"},
+                {"prompt": "计算：三加四", "answer": "七", "family": "arithmetic"}]
+    monitors, _ = tasks_module.measure_tasks(policy, policy, problems, tokenizer, 6, 4, 64, "cpu", 0,
+                                             reward_model=CountingRM(), judge=judge)
+    per_problem = min(6, tasks_module.RM_SAMPLES)
+    assert len(seen_prompts) == len(seen_texts) == 2 * per_problem and monitors["praise_problems"] == 2
+    for wanted in (problems[0], problems[2]):  # each 好评 problem's first answers, and nothing else
+        text = tokenizer.decode(tokenizer.encode(wanted["prompt"], add_special_tokens=False))
+        assert sum(text in p for p in seen_prompts) == per_problem
+    assert (monitors["rm_score"], monitors["rm_score_se"], monitors["judge"]) == (2.0, 0.0, 0.25)
+    sft = {"all_pass1": 0.5, "all_lax": 0.5, "empty_share": 0.0, "eos_share": 0.9, "length": 20.0, "kl": 0.0,
+           "rm_score": 1.0, "rm_score_se": 0.05, "judge": 0.6, "judge_se": 0.02}
+    assert "worse reviews: the RM score" in task_hacking_flag(sft, {**sft, "rm_score": 0.8, "kl": 1.0}, 3.0)
+    assert task_hacking_flag(sft, {**sft, "rm_score": 0.9, "judge": 0.56, "kl": 1.0}, 3.0) == ""  # within 2 SE
+
+
 GRPO = load_script("3-GRPO.py")
 SFT = load_script("1-SFT.py")
 

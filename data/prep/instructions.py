@@ -1,24 +1,25 @@
-"""Verifiable instructions on the review prompts: "写一条不超过二十个字的差评。", "写一条至少三十个字的好评。", in the
-manner of IFEval's length constraints (Zhou et al. 2023) and Tülu 3's RLVR prompts. A program checks each one
-exactly (``plumbing/verifiers.py``, ``check_instruction``); the SFT examples are real reviews that keep their
-instruction, and the held-out problems use limits that no training instruction holds.
+"""Verifiable instructions on the review prompts: "写一条不超过二十个字的差评。", in the manner of IFEval's length
+constraints (Zhou et al. 2023) and Tülu 3's RLVR prompts. A program checks each one exactly (``plumbing/verifiers.py``,
+``check_instruction``); the SFT examples are real reviews that keep their instruction, and the held-out problems use
+limits that no training instruction holds.
 
 The limit is written in Chinese numerals, "二十八", as a reader would write it. The tokenizer reads "28" as one
-token of its own: a held-out limit would be a token the model never saw in an instruction, and the demo model
-did not learn to tell 28 from 63 (its answers were about 40 characters long whatever the limit, bench/README.md).
-"二十八" is three tokens, 二 十 八, each seen in training limits: the tens digit alone says roughly how long.
+token of its own: a held-out limit would be a token the model never saw in an instruction. "二十八" is three tokens,
+二 十 八, each seen in training limits.
 
-Why limits and not words to mention: measured on the demo model (bench/README.md), an SFT model asked to mention a
-word wrote it in under 1% of its samples, held-out words or training words alike, even after 200 updates on those
-examples alone: copying a word from the prompt is beyond it within the pipeline's budget, and RL cannot reinforce
-what it never samples. Length instructions it keeps 15-60% of the time, problem by problem spread out."""
+Why "at most N characters" alone, measured on the demo model (bench/README.md): an SFT model asked to mention a word
+or to begin with a phrase wrote it in under 1% of its samples (copying from the prompt is beyond it within the
+pipeline's budget, and RL cannot reinforce what it never samples); asked for "at least N" beside "at most N", its
+answers were as long whatever the kind and the limit, and GRPO could only trade one kind for the other. "At most N"
+with N from 10 to 60 it keeps about half the time, problem by problem spread out (short limits rarely, long ones
+mostly), and GRPO teaches it to keep them on held-out limits."""
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 
-from prep.splits import assign_split, hash_sorted, pick, unit_hash
+from prep.splits import hash_sorted, pick, unit_hash
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, for plumbing/verifiers.py
 
@@ -27,15 +28,14 @@ from plumbing.verifiers import check_instruction  # noqa: E402  (standard librar
 SENTIMENT = {True: "好评", False: "差评"}
 TEMPLATES = {
     "max_chars": ["写一条不超过{n}个字的{s}。", "写一条{s}，{n}个字以内。", "用不超过{n}个字写一条{s}。",
-                  "写一条{s}，不要超过{n}个字。"],
-    "min_chars": ["写一条至少{n}个字的{s}。", "写一条{s}，不少于{n}个字。", "用至少{n}个字写一条{s}。",
-                  "写一条{s}，至少写{n}个字。"],
+                  "写一条{s}，不要超过{n}个字。", "写一条{s}，最多{n}个字。", "写一条最多{n}个字的{s}。",
+                  "请用{n}个字以内写一条{s}。", "写一条{n}个字以内的{s}。", "写一条{s}，控制在{n}个字以内。",
+                  "写一条{s}，不能超过{n}个字。"],
 }
-LIMITS = range(10, 81)  # the limits in characters (the reviews' median length is 38, the checker's bounds 8-120)
+LIMITS = range(10, 61)  # the limits in characters (the reviews' median length is 38, the checker's bounds 8-120)
 SLACK = 10  # an SFT example's limit is at most this many characters from its review's length
-HELD_OUT_LIMITS = [("test", 0.45), ("val", 0.15)]  # shares of the limits, per kind, kept out of training
-HELD_OUT_PROBLEMS = {"test": 250, "val": 100}  # held-out problems per kind (500 in test: the card's floor)
-SFT_EXAMPLES = 1000  # SFT examples per kind, at most
+HELD_OUT_LIMITS = {"test": 25, "val": 8}  # limits per kind kept out of training: 25 x 20 prompts = the card's 500
+SFT_EXAMPLES = 1500  # SFT examples per kind, at most
 
 
 DIGITS = "零一二三四五六七八九"
@@ -50,7 +50,7 @@ def chinese_numeral(n: int) -> str:
 
 
 def prompts(kind: str, limit: int) -> list[str]:
-    """Every wording of the instruction ``kind`` with ``limit``, for a 好评 and for a 差评: 8 prompts."""
+    """Every wording of the instruction ``kind`` with ``limit``, for a 好评 and for a 差评: 20 prompts."""
     return [t.format(n=chinese_numeral(limit), s=SENTIMENT[good]) for good in (True, False) for t in TEMPLATES[kind]]
 
 
@@ -85,21 +85,20 @@ def build_instructions(reviews: list[tuple[str, bool]]) -> dict:
     """The instruction family: ``{"test", "val", "train": [{"prompt", "answer", "family"}], "sft": [(prompt,
     response)]}``.
 
-    For each kind, the limits of ``LIMITS`` go by hash to test (45%), val (15%) or train, so that no held-out
-    limit is in a training instruction of its kind. Train holds every wording of every training instruction, for
-    RL; the held-out splits ``HELD_OUT_PROBLEMS`` of theirs per kind, in hash order. The SFT pairs answer training
+    For each kind, the limits of ``LIMITS`` in hash order go to test (the first ``HELD_OUT_LIMITS["test"]``), val
+    (the next ``HELD_OUT_LIMITS["val"]``) or train, so that no held-out limit is in a training instruction of its
+    kind; each split holds every wording of its instructions (``prompts``). The SFT pairs answer training
     instructions with ``reviews``, (review, positive?) pairs of training reviews no other SFT example answers with.
     """
-    split_of = {(kind, n): assign_split(f"{kind}:{n}", "instruction-limit", HELD_OUT_LIMITS, "train")
-                for kind in TEMPLATES for n in LIMITS}
-    problems = {"train": [], "val": [], "test": []}
-    for (kind, n), split in split_of.items():
-        problems[split] += [{"prompt": p, "answer": f"{kind}:{n}", "family": "instruction"} for p in prompts(kind, n)]
-    out = {"train": problems["train"]}
-    for split, count in HELD_OUT_PROBLEMS.items():
-        out[split] = [row for kind in TEMPLATES for row in hash_sorted(
-            [r for r in problems[split] if r["answer"].startswith(kind + ":")], f"instruction-{split}",
-            key=lambda r: r["prompt"])[:count]]
+    split_of, test, val = {}, HELD_OUT_LIMITS["test"], HELD_OUT_LIMITS["val"]
+    for kind in TEMPLATES:
+        order = hash_sorted(LIMITS, f"instruction-limit-{kind}", key=str)  # the held-out limits first, by hash
+        split_of.update({(kind, n): "test" if i < test else "val" if i < test + val else "train"
+                         for i, n in enumerate(order)})
+    out = {"train": [], "val": [], "test": []}
+    for kind, n in sorted(split_of):
+        out[split_of[kind, n]] += [{"prompt": p, "answer": f"{kind}:{n}", "family": "instruction"}
+                                   for p in prompts(kind, n)]
     train_limits = {kind: [n for n in LIMITS if split_of[kind, n] == "train"] for kind in TEMPLATES}
     out["sft"] = sft_pairs(reviews, train_limits)
     return out
