@@ -169,6 +169,10 @@ def skill_section(metrics: dict, times: dict | None = None) -> list[str]:
                      *judged(m), f"{times[stage]:.0f} s" if stage in times else "—"))
         gain, se = m["all_pass1"] - sft["all_pass1"], math.hypot(m["all_pass1_se"], sft["all_pass1_se"])
         flag = metrics[stage].get("reward_hacking")
+        if se == 0:  # every problem scored alike (the tiny preset's smoke test): nothing to weigh the gain against
+            sentences.append(f"- {name.upper()} with the verifier: sampled pass@1 {sft['all_pass1']:.1%} → "
+                             f"{m['all_pass1']:.1%}, with no spread across problems to tell a gain from chance.")
+            continue
         sentences.append(
             f"- {name.upper()} with the verifier: sampled pass@1 {sft['all_pass1']:.1%} → {m['all_pass1']:.1%}, "
             + (f"**{gain * 100:+.1f} points, {gain / se:.1f} standard errors**: it learnt to keep limits it never "

@@ -89,6 +89,9 @@ def test_skill_section_rows_and_what_each_gain_means():
     assert "500 held-out problems" in text and "the first 4 sampled answers of each of the 250 problems" in text
     assert "| PPO (verifier) | 10.0% ± 1.0% | 51.0% ± 1.2% | 0.20 ± 0.10 | 25.0 | 95% | — | — | — |" in text
     assert report.skill_section({"grpo": {"held_out": {}}}) == []  # no verifiable stage ran
+    flat = {"grpo-tasks": {"tasks": {"sft": task_monitors(0.0, 0.0), "grpo": task_monitors(0.0, 0.0)},
+                           "task_settings": settings, "reward_hacking": ""}}
+    assert "no spread across problems" in "\n".join(report.skill_section(flat))  # the tiny preset: every SE 0
 
 
 def test_export_section_names_the_best_unflagged_aligner_and_the_rm():
