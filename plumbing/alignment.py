@@ -2,12 +2,27 @@
 how their answers are measured. (Sampling and log-probabilities are in ``rollouts.py``; the verifiable tasks'
 reward and measurement in ``tasks.py``.)
 
-* rewards: ``score_with`` (a reward model's score of each sampled answer) and ``check_rewards`` (a non-finite
+"Reward" names four things in these stages; every figure says which:
+
+* the **RM score**: the reward model's number for an answer (``rm_reward``), what PPO and GRPO maximise on the
+  preference path and what the held-out "RM score" is;
+* the **verifier**: 1 when a program accepts the answer, else 0 (``tasks.verifier_reward``), the reward with
+  ``--verifier``; its held-out mean is the exact accuracy (pass@1);
+* the **judge**: the independent sentiment classifier (``judge.SentimentJudge``), never trained on, only measured
+  beside the other two, so that a policy that fools its reward shows;
+* **DPO's implicit reward**: beta * log(pi / pi_ref) of an answer, what 3-DPO.py ranks pairs by; it is never
+  computed for a sampled answer.
+
+The first two are one interface, ``reward(prompts, responses)`` -> one float per response (as TRL's reward
+functions), which ``rollouts.rollout`` calls the same way for PPO and GRPO.
+
+* rewards: ``rm_reward`` (the verifier's twin is ``tasks.verifier_reward``) and ``check_rewards`` (a non-finite
   reward stops the run before any update);
 * monitors: ``monitors_of`` and ``held_out_monitors`` (the RM score beside the independent judge, KL, entropy,
   length, ``[SEP]`` share and repetition, see ``judge.py``), their metrics-row names (``as_val_row``,
-  ``from_val_row``), ``describe`` for the console and ``write_samples`` for samples.md; ``HeldOut``, the held-out
-  measurement before and after a stage, the same for all three;
+  ``from_val_row``), ``describe`` for the console and ``write_samples`` for samples.md;
+* the held-out measurement before and after a stage, one story for both paths (``HeldOutBase``): ``HeldOut``
+  (the RM score and the judge; PPO, DPO, GRPO) and ``TaskHeldOut`` (exact accuracy, with ``--verifier``);
 * set-up: ``add_held_out_arguments`` (the reward's and the held-out monitors' flags, the same in all three stages),
   ``read_prompts``, ``load_policy_and_ref``, ``load_reward_model``, ``load_policy_and_reward`` and ``Online``
   (an online aligner's policy, reference, prompts and reward, from an RM or a verifier), ``online_defaults``.
@@ -32,7 +47,17 @@ from plumbing.judge import KL_LIMIT, SentimentJudge, reward_hacking_flag, summar
 from plumbing.markdown import markdown_table
 from plumbing.records import read_prompt_files, read_tasks, shown_prompt
 from plumbing.rollouts import kl_per_response, response_token_lists, rollout
-from plumbing.tasks import TaskHeldOut, asks_for_praise, score_with_verifier
+from plumbing.tasks import (
+    RM_SAMPLES,
+    SFT_SAMPLES,
+    asks_for_praise,
+    describe_tasks,
+    measure_tasks,
+    task_hacking_flag,
+    task_rollout_row,
+    verifier_reward,
+    write_task_samples,
+)
 from plumbing.verifiers import VERIFIERS
 
 
@@ -53,12 +78,14 @@ def check_rewards(scores, prompts, iteration: int) -> None:
                         f"(--reward) is broken: score a few texts with 2-RM.py --score to see, and retrain it")
 
 
-def score_with(reward_model):
-    """A rollout's score from a reward model: its reward of each sequence as generated, (B,) float32. (A verifier
-    scores with ``tasks.score_with_verifier`` instead; either is called as ``score(data, prompts)``.)"""
-    def score(data, prompts):
-        return reward_model(data["input_ids"], data["attention_mask"])["rewards"].float()
-    return score
+def rm_reward(reward_model):
+    """The reward model as a reward: ``reward(prompts, responses)`` -> (B,) float32, the one interface every reward
+    of the online aligners has (as TRL's reward functions; the verifier's is ``tasks.verifier_reward``). Each
+    response is scored as generated, the whole sequence read at its last real token (an unfinished answer has no
+    [SEP]). ``responses``: a rollout's dict (``rollouts.rollout``); ``prompts`` are not read, the RM reads tokens."""
+    def reward(prompts, responses):
+        return reward_model(responses["input_ids"], responses["attention_mask"])["rewards"].float()
+    return reward
 
 
 def monitors_of(batches, judge, tokenizer):
@@ -108,8 +135,8 @@ def _measure_held_out(policy, ref, reward_model, judge, prompts, tokenizer, args
     flat = [p for p in prompts for _ in range(args.eval_samples)]
     with forked_rng(device):
         torch.manual_seed(seed)
-        score = score_with(reward_model)
-        batches = [rollout(policy, flat[start:start + HELD_OUT_BATCH], ref=ref, score=score, tokenizer=tokenizer,
+        reward = rm_reward(reward_model)
+        batches = [rollout(policy, flat[start:start + HELD_OUT_BATCH], ref=ref, reward=reward, tokenizer=tokenizer,
                            args=args, context_length=context_length, device=device)
                    for start in range(0, len(flat), HELD_OUT_BATCH)]
     monitors, texts = monitors_of(batches, judge, tokenizer)
@@ -138,25 +165,6 @@ def from_val_row(row: dict) -> dict:
     return monitors
 
 
-def record_held_out(stage, name: str, sft: dict, after: dict, examples, eval_samples: int,
-                    kl_limit: float = KL_LIMIT, **extra) -> str:
-    """The end of every alignment stage, written once: the aligned policy's held-out monitors ``after`` go into
-    the last metrics row; the reward-hacking flag compares them with the SFT policy's (``sft``); the stage's
-    ``config.json`` results get both (``held_out``), the scores, the gain, the KL and the flag, plus ``extra``;
-    samples.md gets the first sample of each held-out prompt (at most 12). ``name`` is the stage ("ppo", ...).
-    Returns the flag ("" when nothing looks wrong), printed when raised."""
-    stage.metrics.rows[-1].update(as_val_row(after))
-    flag = reward_hacking_flag(sft, after, kl_limit)
-    stage.results.update({"val_score_sft": sft["rm_score"], f"val_score_{name}": after["rm_score"],
-                          "val_score_gain": after["rm_score"] - sft["rm_score"], "kl": after["kl"],
-                          "kl_limit": kl_limit, "held_out": {"sft": rounded(sft), name: rounded(after)},
-                          "reward_hacking": flag, **extra})
-    stage.files["samples.md"] = lambda path: write_samples(path, examples[::eval_samples][:12])
-    if flag:
-        stage.print(flag)
-    return flag
-
-
 def rounded(monitors: dict) -> dict:
     # 6 places: the report prints 3, and rounding twice (to 4, then 3) could show 0.996 where the log said 0.995
     return {k: round(v, 6) for k, v in monitors.items()}
@@ -182,32 +190,112 @@ MONITOR_KEYS = ("rm_score", "rm_score_se", "judge", "judge_se", "distinct_2", "l
                 "kl", "kl_se", "entropy")
 
 
-class HeldOut:
-    """The held-out monitors of an alignment stage, one piece for PPO, DPO and GRPO so that all three are measured,
-    logged and recorded alike (``held_out_monitors`` does the sampling and the scoring).
+class HeldOutBase:
+    """The held-out measurement of an alignment stage, one story for both paths: the SFT policy before any update,
+    the policy now and then, the aligned policy at the end, each measured in eval mode (dropout off) under the
+    stage's autocast (the precision of its updates, so scores and KL compare like with like) and printed on one line.
 
-    * ``measure(tag)``: the monitors of the policy now, in eval mode (dropout off) and under the stage's autocast
-      (the precision of its updates, so scores and KL compare like with like), printed on one line;
-    * ``before(first_row)``: step 0, the SFT policy before any update, logged as the ``val_*`` of the step-0 metrics
-      row (beside the stage's own ``first_row()``, e.g. DPO's pair metrics); on ``--resume`` read back from that row;
-    * ``after(name, sft)``: the aligned policy's monitors, recorded with the SFT ones, the reward-hacking flag and
-      the settings they were sampled with (``settings``: what best-of-n must repeat to be compared with them).
+    * ``measure(tag, samples)``: (monitors, examples) of the policy now, ``samples`` answers per held-out prompt;
+    * ``val_row(tag)``: the monitors now as keys of a metrics row;
+    * ``before(first_row)``: step 0, the SFT policy with ``sft_samples`` answers per prompt, logged in the step-0
+      metrics row (beside the stage's own ``first_row()``, e.g. DPO's pair metrics); on ``--resume`` read back from
+      that row;
+    * ``after(name, sft)``: the aligned policy's monitors, recorded in the last metrics row and in the stage's
+      results with the SFT ones, the reward-hacking flag and the settings they were sampled with; samples.md.
+
+    A path says what it measures: ``sample(samples)`` -> (monitors, examples), ``describe``, ``as_row`` and
+    ``from_row`` (the metrics-row keys), ``flag`` (``judge.reward_hacking_flag`` or ``tasks.task_hacking_flag``),
+    ``results`` (what the stage's config.json keeps), ``write_samples``, ``summary`` and ``rollout_row`` (what a
+    training rollout's row says). ``HeldOut`` is the preference path, ``TaskHeldOut`` the verifiable one.
 
     Args:
-        stage: the stage's ``training.StageRun``; policy: the unwrapped policy (a ``GPTModel``); ref, reward_model:
-            the frozen SFT reference and RM; prompts: the held-out prompts; args: the stage's arguments
-            (``eval_samples``, ``max_new_tokens``, ``seed``).
+        stage: the stage's ``training.StageRun``; policy: the unwrapped policy (a ``GPTModel``); ref: the frozen SFT
+            reference; prompts: the held-out prompts (or problems); args: the stage's arguments (``eval_samples``,
+            ``max_new_tokens``, ``seed``).
+    """
+    unit = "prompts"
+
+    def __init__(self, stage, policy, ref, prompts, tokenizer, args, context_length: int):
+        self.stage, self.policy, self.ref, self.prompts = stage, policy, ref, prompts
+        self.tokenizer, self.args, self.context_length = tokenizer, args, context_length
+        self.sft_samples = args.eval_samples
+
+    def measure(self, tag: str, samples: int | None = None):
+        """(monitors, examples) of the policy as it is now, ``samples`` (default ``--eval_samples``) per prompt."""
+        samples = samples or self.args.eval_samples
+        was_training = self.policy.training
+        self.policy.eval()
+        with self.stage.accelerator.autocast():
+            monitors, examples = self.sample(samples)
+        self.policy.train(was_training)
+        self.stage.print(f"{tag} on {len(self.prompts)} held-out {self.unit} x {samples}: {self.describe(monitors)}")
+        return monitors, examples
+
+    def val_row(self, tag: str) -> dict:
+        """The monitors of the policy now as keys of a metrics row."""
+        return self.as_row(self.measure(tag)[0])
+
+    def before(self, first_row=None) -> dict:
+        """The SFT policy's monitors: measured and logged at step 0 (with ``first_row()``'s values, if given), read
+        back from the step-0 row after ``--resume``."""
+        if self.stage.step == 0:
+            row = first_row() if first_row is not None else {}
+            self.stage.log({**row, **self.as_row(self.measure("SFT policy", self.sft_samples)[0])})
+        return self.from_row(self.stage.metrics.rows[0])
+
+    def after(self, name: str, sft: dict, kl_limit: float = KL_LIMIT) -> dict:
+        """The aligned policy's monitors, recorded with the SFT ones (``sft``), the flag (printed when raised) and
+        ``settings``; ``name`` is the stage ("ppo", ...). Returns the monitors."""
+        monitors, examples = self.measure(f"{name.upper()} policy")
+        self.stage.metrics.rows[-1].update(self.as_row(monitors))
+        flag = self.flag(sft, monitors, kl_limit)
+        self.stage.results.update({**self.results(name, sft, monitors), "kl": monitors["kl"], "kl_limit": kl_limit,
+                                   "reward_hacking": flag})
+        self.stage.files["samples.md"] = lambda path: self.write_samples(path, examples)
+        if flag:
+            self.stage.print(flag)
+        return monitors
+
+
+class HeldOut(HeldOutBase):
+    """The preference path's held-out measurement (PPO, DPO and GRPO with a reward model): the RM score beside the
+    independent judge, KL, entropy, length, [SEP] share and repetition of ``--eval_samples`` sampled answers per
+    held-out prompt (``held_out_monitors``), the reward-hacking flag of ``judge.reward_hacking_flag``.
+
+    Args: as ``HeldOutBase``, and reward_model: the frozen RM.
     """
 
     def __init__(self, stage, policy, ref, reward_model, prompts, tokenizer, args, context_length: int):
-        self.stage, self.policy, self.ref, self.reward_model = stage, policy, ref, reward_model
-        self.prompts, self.tokenizer, self.args, self.context_length = prompts, tokenizer, args, context_length
-        self.judge = SentimentJudge()
+        super().__init__(stage, policy, ref, prompts, tokenizer, args, context_length)
+        self.reward_model, self.judge = reward_model, SentimentJudge()
 
     @property
     def settings(self) -> dict:
         return {"prompts": list(self.prompts), "samples_per_prompt": self.args.eval_samples, "temperature": 1.0,
                 "max_new_tokens": self.args.max_new_tokens}
+
+    def sample(self, samples: int):
+        args = copy.copy(self.args)
+        args.eval_samples = samples
+        return held_out_monitors(self.policy, self.ref, self.reward_model, self.judge, self.prompts, self.tokenizer,
+                                 args, self.context_length, self.stage.accelerator.device, self.args.seed)
+
+    describe = staticmethod(describe)
+    as_row = staticmethod(as_val_row)
+
+    @staticmethod
+    def from_row(row: dict) -> dict:
+        return {k: v for k, v in from_val_row(row).items() if k in MONITOR_KEYS}
+
+    flag = staticmethod(reward_hacking_flag)
+
+    def results(self, name: str, sft: dict, after: dict) -> dict:
+        return {"val_score_sft": sft["rm_score"], f"val_score_{name}": after["rm_score"],
+                "val_score_gain": after["rm_score"] - sft["rm_score"],
+                "held_out": {"sft": rounded(sft), name: rounded(after)}, "held_out_settings": self.settings}
+
+    def write_samples(self, path, examples):
+        write_samples(path, examples[::self.args.eval_samples][:12])  # the first sample of each prompt
 
     def rollout_row(self, data) -> dict:
         """What a training rollout's metrics row says on this path: the RM score (before the no-[SEP] penalty), the
@@ -215,43 +303,68 @@ class HeldOut:
         monitors = monitors_of([data], self.judge, self.tokenizer)[0]
         return {"score": monitors["rm_score"], **{k: monitors[k] for k in ROLLOUT_MONITORS}}
 
-    def val_row(self, tag: str) -> dict:
-        """The monitors of the policy now as the ``val_*`` keys of a metrics row."""
-        return as_val_row(self.measure(tag)[0])
-
     @staticmethod
     def summary(sft: dict, after: dict, name: str) -> str:
         """The closing message's figures: SFT -> the aligned policy."""
         return (f"held-out RM score {sft['rm_score']:.3f} (SFT) -> {after['rm_score']:.3f} ({name}), judge "
                 f"{sft['judge']:.3f} -> {after['judge']:.3f}, KL {after['kl']:.2f} nats/response")
 
-    def measure(self, tag: str):
-        """(monitors, examples) of the policy as it is now; see ``held_out_monitors``."""
-        was_training = self.policy.training
-        self.policy.eval()
-        with self.stage.accelerator.autocast():
-            monitors, examples = held_out_monitors(self.policy, self.ref, self.reward_model, self.judge, self.prompts,
-                                                   self.tokenizer, self.args, self.context_length,
-                                                   self.stage.accelerator.device, self.args.seed)
-        self.policy.train(was_training)
-        self.stage.print(f"{tag} on {len(self.prompts)} held-out prompts x {self.args.eval_samples}: "
-                         f"{describe(monitors)}")
-        return monitors, examples
 
-    def before(self, first_row=None) -> dict:
-        """The SFT policy's monitors: measured and logged at step 0 (with ``first_row()``'s values, if given), read
-        back from the step-0 row after ``--resume``."""
-        if self.stage.step == 0:
-            row = first_row() if first_row is not None else {}
-            self.stage.log({**row, **as_val_row(self.measure("SFT policy")[0])})
-        return {k: v for k, v in from_val_row(self.stage.metrics.rows[0]).items() if k in MONITOR_KEYS}
+class TaskHeldOut(HeldOutBase):
+    """The verifiable path's held-out measurement (GRPO and PPO with ``--verifier``): exact accuracy on held-out
+    problems (``tasks.measure_tasks``), the SFT policy at step 0 with ``tasks.SFT_SAMPLES`` samples per problem (its
+    pass@4 and pass@16 are best-of-4 and best-of-16 by the verifier), the aligned one with ``--eval_samples``; the
+    flag of ``tasks.task_hacking_flag``.
 
-    def after(self, name: str, sft: dict, kl_limit: float = KL_LIMIT) -> dict:
-        """The aligned policy's monitors, recorded by ``record_held_out`` with ``settings``; returns them."""
-        monitors, examples = self.measure(f"{name.upper()} policy")
-        record_held_out(self.stage, name, sft, monitors, examples, self.args.eval_samples, kl_limit,
-                        held_out_settings=self.settings)
-        return monitors
+    Args: as ``HeldOutBase`` (``prompts``: the held-out problems), and verifier: the name the stage trains with
+        (``--verifier``); reward_model: a frozen RM that scores the answers to the problems asking for a 好评, beside
+        the independent judge (a monitor, never the reward), or None.
+    """
+    unit = "problems"
+
+    def __init__(self, stage, policy, ref, tasks, tokenizer, args, context_length: int, verifier: str,
+                 reward_model=None):
+        super().__init__(stage, policy, ref, tasks, tokenizer, args, context_length)
+        self.sft_samples, self.verifier, self.reward_model = SFT_SAMPLES, verifier, reward_model
+        self.judge = SentimentJudge() if reward_model is not None else None
+
+    @property
+    def settings(self) -> dict:
+        return {"problems": len(self.prompts), "families": sorted({t["family"] for t in self.prompts}),
+                "sft_samples": SFT_SAMPLES, "samples": self.args.eval_samples, "temperature": 1.0,
+                "max_new_tokens": self.args.max_new_tokens, "verifier": self.verifier, "rm_samples": RM_SAMPLES}
+
+    def sample(self, samples: int):
+        return measure_tasks(self.policy, self.ref, self.prompts, self.tokenizer, samples, self.args.max_new_tokens,
+                             self.context_length, self.stage.accelerator.device, self.args.seed, self.verifier,
+                             self.reward_model, self.judge)
+
+    describe = staticmethod(describe_tasks)
+
+    @staticmethod
+    def as_row(monitors: dict) -> dict:
+        return {f"task_{k}": v for k, v in monitors.items()}
+
+    @staticmethod
+    def from_row(row: dict) -> dict:
+        return {k[len("task_"):]: v for k, v in row.items() if k.startswith("task_")}
+
+    flag = staticmethod(task_hacking_flag)
+
+    def results(self, name: str, sft: dict, after: dict) -> dict:
+        return {"tasks": {"sft": rounded(sft), name: rounded(after)}, "task_settings": self.settings}
+
+    @staticmethod
+    def write_samples(path, examples):
+        write_task_samples(path, examples[:12])
+
+    rollout_row = staticmethod(task_rollout_row)
+
+    @staticmethod
+    def summary(sft: dict, after: dict, name: str) -> str:
+        """The closing message's figures: SFT -> the aligned policy."""
+        return (f"held-out sampled pass@1 {sft['all_pass1']:.1%} (SFT) -> {after['all_pass1']:.1%} ({name}), greedy "
+                f"{sft['all_greedy']:.1%} -> {after['all_greedy']:.1%}, KL {after['kl']:.2f} nats/response")
 
 
 def add_held_out_arguments(p, stage: str) -> None:
@@ -367,15 +480,15 @@ class Online:
     """What an online aligner (3-PPO.py, 3-GRPO.py) learns from, whichever the reward: the SFT policy and its frozen
     reference, the prompts it practises on and the held-out ones that measure it, and the reward of a rollout.
 
-    * With ``--reward`` (preferences): ``reward_model`` scores each answer (``score_with``); the held-out monitors
+    * With ``--reward`` (preferences): ``reward_model`` scores each answer (``rm_reward``); the held-out monitors
       put its score beside the independent judge (``HeldOut``).
-    * With ``--verifier`` (verifiable tasks): a checker gives 1 or 0 (``tasks.score_with_verifier``), there is no
-      reward model (``reward_model`` is None), and the held-out measure is exact accuracy (``tasks.TaskHeldOut``);
+    * With ``--verifier`` (verifiable tasks): a checker gives 1 or 0 (``tasks.verifier_reward``), there is no
+      reward model (``reward_model`` is None), and the held-out measure is exact accuracy (``TaskHeldOut``);
       where held-out problems ask for a 好评 and ``--reward`` holds a checkpoint, that RM (``monitor_model``)
       scores their answers beside the judge, a monitor that never rewards.
 
     Attributes: policy, ref, parent (the parent metadata the checkpoint records, with the reward's), prompts,
-    held_out_prompts, reward_model, monitor_model, context_length, score (``score(data, prompts)``, see
+    held_out_prompts, reward_model, monitor_model, context_length, reward (``reward(prompts, responses)``, see
     ``rollouts.rollout``).
     Raises ``UserError`` (in the constructor) as ``load_policy_and_ref``, ``load_reward_model`` and ``read_prompts``.
     """
@@ -387,7 +500,7 @@ class Online:
         self.monitor_model = None
         if args.verifier:
             self.reward_model, self.context_length = None, self.policy.cfg.context_length
-            self.score = score_with_verifier(args.verifier, tokenizer)
+            self.reward = verifier_reward(args.verifier, tokenizer)
             self.parent = {**parent, "verifier": args.verifier}
             check_room(args, self.context_length, "the policy's")
             if any(asks_for_praise(t) for t in self.held_out_prompts):
@@ -399,7 +512,7 @@ class Online:
         else:
             self.reward_model = load_reward_model(args, self.policy.cfg.vocab_size, device)
             self.context_length = min(self.policy.cfg.context_length, self.reward_model.cfg.context_length)
-            self.score = score_with(self.reward_model)
+            self.reward = rm_reward(self.reward_model)
             self.parent = {**parent, **parent_meta(args.reward, "reward")}
             check_room(args, self.context_length, "the shorter of policy and reward model")
         note_if_not_chat(args)
@@ -407,7 +520,7 @@ class Online:
     def rollout(self, policy, prompts, critic=None) -> dict:
         """``policy``'s answers to ``prompts`` and their measurements (``rollouts.rollout``): sampled, then the
         log-probs of the policy and of the reference, the reward, and the values of ``critic`` when given one."""
-        return rollout(policy, prompts, ref=self.ref, score=self.score, tokenizer=self.tokenizer, args=self.args,
+        return rollout(policy, prompts, ref=self.ref, reward=self.reward, tokenizer=self.tokenizer, args=self.args,
                        context_length=self.context_length, device=self.device, critic=critic)
 
     def held_out(self, stage, policy):

@@ -154,12 +154,12 @@ def response_logprobs(model, sequences, attention_mask, response_mask, prompt_le
 
 
 @torch.no_grad()
-def rollout(policy, prompts, *, ref, score, tokenizer, args, context_length, device, critic=None):
+def rollout(policy, prompts, *, ref, reward, tokenizer, args, context_length, device, critic=None):
     """Sample responses and compute everything PPO and GRPO need about them: the answers to ``prompts`` sampled
     with the KV cache (``sample_responses``), then four measurements of them: one forward pass of ``policy``
     (the log-probs of the sampled tokens and the entropy), one of the frozen ``ref`` (its log-probs, for the KL),
-    ``score(data, prompts)``, each response's reward (B,): a reward model's (``score_with``, one more forward
-    pass) or a verifier's (``tasks.score_with_verifier``), and, given a ``critic``, its values.
+    ``reward(prompts, responses)``, each response's reward (B,): a reward model's (``alignment.rm_reward``, one
+    more forward pass) or a verifier's (``tasks.verifier_reward``), and, given a ``critic``, its values.
 
     Returns a dict: input_ids, attention_mask (B, P+R); response_mask, logprobs, ref_logprobs, entropy, values
     (B, R; no values when ``critic`` is None); scores (B,); ended (B,) bool, whether the response ended with
@@ -175,7 +175,7 @@ def rollout(policy, prompts, *, ref, score, tokenizer, args, context_length, dev
         "ended": (sequences[:, P:] == EOS_ID).any(dim=1),  # (B,)
         "prompt_len": P,
     }
-    data["scores"] = score(data, prompts)  # (B,)
+    data["scores"] = reward(prompts, data)  # (B,): the responses are this dict, ids, masks and ended
     if critic is not None:
         data["values"] = critic(sequences, attention_mask)["values"][:, P - 1:-1].float()  # (B, R)
     return data

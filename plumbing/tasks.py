@@ -1,8 +1,9 @@
 """The verifiable path of the online aligners (3-GRPO.py and 3-PPO.py with ``--verifier``): rewards a program checks,
 and exact accuracy on held-out problems.
 
-* ``score_with_verifier``: a rollout's rewards from a verifier (``verifiers.VERIFIERS``): 1.0 for a response that
-  ended with ``[SEP]`` and whose text is the answer, else 0.0; what ``rollouts.rollout`` calls.
+* ``verifier_reward``: a verifier (``verifiers.VERIFIERS``) as a reward, called as the RM's is
+  (``reward(prompts, responses)``): 1.0 for a response that ended with ``[SEP]`` and whose text is the answer,
+  else 0.0.
 * ``pass_at_k``: the unbiased pass@k of Chen et al. 2021 (the Codex paper) from n samples with c right.
 * ``measure_tasks``: a policy on held-out problems: greedy accuracy, sampled pass@1 at temperature 1 and pass@k
   (best-of-k with the verifier as the oracle), each with its standard error over problems, per family and over
@@ -10,8 +11,8 @@ and exact accuracy on held-out problems.
   accuracy beside the strict one (a gap between them is an answer that holds the right text among other text);
   given a reward model, the RM score and the judge of the answers to the problems that ask for a 好评
   (``asks_for_praise``): what the verifier cannot see, whether a constraint was kept by writing worse reviews.
-* ``TaskHeldOut``: the same pieces as ``alignment.HeldOut`` (``rollout_row``, ``measure``, ``before``, ``after``)
-  for this path, so a stage runs either path with the same story.
+* ``task_rollout_row``, ``describe_tasks``, ``write_task_samples``: what ``alignment.TaskHeldOut`` (this path's
+  held-out measurement, on the base it shares with the preference path's ``HeldOut``) logs, prints and writes.
 * ``task_hacking_flag``: a verifier can be gamed too (empty answers, answers that never end, format tricks): one
   plain sentence when the monitors of SFT -> aligned model look like it.
 """
@@ -28,7 +29,7 @@ from gpt_model import generate
 from plumbing.batching import pad_left
 from plumbing.checkpoint import weights_digest
 from plumbing.devices import forked_rng
-from plumbing.judge import KL_LIMIT, SentimentJudge, mean_and_se
+from plumbing.judge import mean_and_se
 from plumbing.markdown import markdown_table
 from plumbing.rollouts import (
     kl_per_response,
@@ -39,19 +40,20 @@ from plumbing.rollouts import (
 from plumbing.verifiers import FAMILIES, VERIFIERS, check, contains
 
 
-def score_with_verifier(name: str, tokenizer):
-    """``score(data, tasks)`` for ``rollouts.rollout``: per response 1.0 when it ended with ``[SEP]`` and the
-    verifier ``name`` accepts its text for the task's answer, else 0.0; (B,) float32. ``tasks``: the rollout's
-    prompts, task dicts (``records.read_tasks``). An answer cut off by the token limit is never right: the answer is
-    the whole response up to ``[SEP]``."""
+def verifier_reward(name: str, tokenizer):
+    """A verifier as a reward: ``reward(tasks, responses)`` -> (B,) float32, the interface of
+    ``alignment.rm_reward`` (prompts first, then a rollout's dict, ``rollouts.rollout``). Per response 1.0 when it
+    ended with ``[SEP]`` and the verifier ``name`` (``verifiers.VERIFIERS``) accepts its text for the task's answer,
+    else 0.0. ``tasks``: the rollout's prompts, task dicts (``records.read_tasks``). An answer cut off by the token
+    limit is never right: the answer is the whole response up to ``[SEP]``."""
     verifier = VERIFIERS[name]
 
-    def score(data, tasks):
-        texts = [answer_text(ids, tokenizer) for ids in response_token_lists(data)]
+    def reward(tasks, responses):
+        texts = [answer_text(ids, tokenizer) for ids in response_token_lists(responses)]
         right = [bool(ended) and text is not None and verifier(t["family"], text, t["answer"])
-                 for t, text, ended in zip(tasks, texts, data["ended"].tolist())]
-        return torch.tensor(right, dtype=torch.float32, device=data["input_ids"].device)
-    return score
+                 for t, text, ended in zip(tasks, texts, responses["ended"].tolist())]
+        return torch.tensor(right, dtype=torch.float32, device=responses["input_ids"].device)
+    return reward
 
 
 def answer_text(ids: list[int], tokenizer) -> str | None:
@@ -236,7 +238,7 @@ def task_hacking_flag(before: dict, after: dict, kl_limit: float) -> str:
     return f"reward hacking suspected: {'; '.join(reasons)}." if reasons else ""
 
 
-def rollout_row(data) -> dict:
+def task_rollout_row(data) -> dict:
     """What a training rollout's metrics row says on this path: the mean reward (the strict accuracy of the
     samples, before any penalty), KL to the reference, entropy, length, the share that ended and the empty ones."""
     ids = response_token_lists(data)
@@ -248,82 +250,6 @@ def rollout_row(data) -> dict:
 
 
 SFT_SAMPLES = 16  # samples per problem of the SFT policy: its pass@16 is best-of-16 with the verifier as the oracle
-
-
-class TaskHeldOut:
-    """``alignment.HeldOut`` for the verifiable path: the policy's exact accuracy on held-out problems
-    (``measure_tasks``), the SFT policy at step 0 with ``SFT_SAMPLES`` samples per problem (its pass@4 and pass@16
-    are best-of-4 and best-of-16 by the verifier), the aligned one at the end with ``--eval_samples``.
-
-    Args:
-        stage, policy, ref, args, context_length: as for ``HeldOut``; tasks: the held-out problems; verifier: the
-            name the stage trains with (``--verifier``); reward_model: a frozen RM that scores the answers to the
-            problems asking for a 好评, beside the independent judge (a monitor, never the reward), or None.
-    """
-
-    def __init__(self, stage, policy, ref, tasks, tokenizer, args, context_length: int, verifier: str,
-                 reward_model=None):
-        self.stage, self.policy, self.ref, self.tasks = stage, policy, ref, tasks
-        self.tokenizer, self.args, self.context_length, self.verifier = tokenizer, args, context_length, verifier
-        self.reward_model = reward_model
-        self.judge = SentimentJudge() if reward_model is not None else None
-
-    @property
-    def settings(self) -> dict:
-        return {"problems": len(self.tasks), "families": sorted({t["family"] for t in self.tasks}),
-                "sft_samples": SFT_SAMPLES, "samples": self.args.eval_samples, "temperature": 1.0,
-                "max_new_tokens": self.args.max_new_tokens, "verifier": self.verifier, "rm_samples": RM_SAMPLES}
-
-    def rollout_row(self, data) -> dict:
-        return rollout_row(data)
-
-    def val_row(self, tag: str) -> dict:
-        """The task monitors of the policy now as the ``task_*`` keys of a metrics row."""
-        return {f"task_{k}": v for k, v in self.measure(tag)[0].items()}
-
-    @staticmethod
-    def summary(sft: dict, after: dict, name: str) -> str:
-        """The closing message's figures: SFT -> the aligned policy."""
-        return (f"held-out sampled pass@1 {sft['all_pass1']:.1%} (SFT) -> {after['all_pass1']:.1%} ({name}), greedy "
-                f"{sft['all_greedy']:.1%} -> {after['all_greedy']:.1%}, KL {after['kl']:.2f} nats/response")
-
-    def measure(self, tag: str, samples: int | None = None):
-        was_training = self.policy.training
-        self.policy.eval()
-        with self.stage.accelerator.autocast():
-            monitors, examples = measure_tasks(self.policy, self.ref, self.tasks, self.tokenizer,
-                                               samples or self.args.eval_samples, self.args.max_new_tokens,
-                                               self.context_length, self.stage.accelerator.device, self.args.seed,
-                                               self.verifier, self.reward_model, self.judge)
-        self.policy.train(was_training)
-        self.stage.print(f"{tag} on {len(self.tasks)} held-out problems x {samples or self.args.eval_samples}: "
-                         f"{describe_tasks(monitors)}")
-        return monitors, examples
-
-    def before(self, first_row=None) -> dict:
-        """The SFT policy's task monitors (``SFT_SAMPLES`` per problem), measured and kept in the step-0 metrics row
-        as ``task_*``, read back from it after ``--resume``."""
-        if self.stage.step == 0:
-            row = first_row() if first_row is not None else {}
-            self.stage.log({**row, **{f"task_{k}": v for k, v in self.measure("SFT policy", SFT_SAMPLES)[0].items()}})
-        return {k[len("task_"):]: v for k, v in self.stage.metrics.rows[0].items() if k.startswith("task_")}
-
-    def after(self, name: str, sft: dict, kl_limit: float = KL_LIMIT) -> dict:
-        """The aligned policy's monitors, recorded with the SFT ones, the flag and the settings; returns them."""
-        monitors, examples = self.measure(f"{name.upper()} policy")
-        self.stage.metrics.rows[-1].update({f"task_{k}": v for k, v in monitors.items()})
-        flag = task_hacking_flag(sft, monitors, kl_limit)
-        self.stage.results.update({"tasks": {"sft": _rounded(sft), name: _rounded(monitors)},
-                                   "task_settings": self.settings, "kl": monitors["kl"], "kl_limit": kl_limit,
-                                   "reward_hacking": flag})
-        self.stage.files["samples.md"] = lambda path: write_task_samples(path, examples[:12])
-        if flag:
-            self.stage.print(flag)
-        return monitors
-
-
-def _rounded(monitors: dict) -> dict:
-    return {k: round(v, 6) for k, v in monitors.items()}
 
 
 def write_task_samples(path, examples) -> None:

@@ -174,7 +174,7 @@ def test_kl_is_zero_and_ratio_is_one_before_the_first_update(tokenizer):
     args = types.SimpleNamespace(max_new_tokens=6, temperature=1.0)
     torch.manual_seed(3)
     prompts = ["写一条好评：", "你好", "解释词语：明月"]
-    data = rollouts.rollout(policy, prompts, ref=ref, score=alignment.score_with(reward), tokenizer=tokenizer,
+    data = rollouts.rollout(policy, prompts, ref=ref, reward=alignment.rm_reward(reward), tokenizer=tokenizer,
                             args=args, context_length=64, device="cpu", critic=critic)
     assert torch.equal(data["logprobs"], data["ref_logprobs"])
     assert torch.equal(rollouts.kl_per_response(data["logprobs"], data["ref_logprobs"], data["response_mask"]),
@@ -192,7 +192,7 @@ def test_rollout_scores_each_response_like_the_reward_model_alone(tokenizer):
     """The batched, left-padded rollout scores each row exactly as the RM scores that sequence on its own."""
     policy, ref, reward = tiny_models(1)
     args = types.SimpleNamespace(max_new_tokens=5, temperature=1.0)
-    data = rollouts.rollout(policy, ["短", "一个长一点的提示"], ref=ref, score=alignment.score_with(reward),
+    data = rollouts.rollout(policy, ["短", "一个长一点的提示"], ref=ref, reward=alignment.rm_reward(reward),
                             tokenizer=tokenizer, args=args, context_length=64, device="cpu", critic=reward)
     for row in range(2):
         real = data["attention_mask"][row].bool()

@@ -69,20 +69,20 @@ def test_the_instruction_checker_wants_a_real_review_that_keeps_the_instruction(
 def test_a_degenerate_answer_gets_no_reward_even_when_it_keeps_the_instruction(tokenizer):
     """Through the reward GRPO trains on: the word alone, the word repeated, and a right review that never ended all
     score 0; the lax checker (no guard) would have paid for the first two."""
-    from plumbing.tasks import score_with_verifier
+    from plumbing.tasks import verifier_reward
 
     tasks = [{"prompt": "写一条提到“早餐”的好评。", "answer": "mention:早餐", "family": "instruction"}] * 4
     answers = ["早餐", "早餐早餐早餐早餐早餐", REVIEW, REVIEW]
     data = rollout_data(tokenizer, answers, [True, True, False, True])
-    assert score_with_verifier("exact", tokenizer)(data, tasks).tolist() == [0.0, 0.0, 0.0, 1.0]
-    assert score_with_verifier("contains", tokenizer)(data, tasks).tolist() == [1.0, 1.0, 0.0, 1.0]
+    assert verifier_reward("exact", tokenizer)(tasks, data).tolist() == [0.0, 0.0, 0.0, 1.0]
+    assert verifier_reward("contains", tokenizer)(tasks, data).tolist() == [1.0, 1.0, 0.0, 1.0]
     # the instructions data/prepare.py writes: a short answer for "at most 20", a loop for "at least 30"
     tasks = [{"prompt": "写一条不超过20个字的好评。", "answer": "max_chars:20", "family": "instruction"},
              {"prompt": "写一条至少30个字的好评。", "answer": "min_chars:30", "family": "instruction"}] * 2
     longer = REVIEW + "房间干净，服务员很热情，下次还来。"  # 32 characters
     data = rollout_data(tokenizer, ["好", "不错" * 20, REVIEW, longer], [True, True, True, True])
-    assert score_with_verifier("exact", tokenizer)(data, tasks).tolist() == [0.0, 0.0, 1.0, 1.0]
-    assert score_with_verifier("contains", tokenizer)(data, tasks).tolist() == [1.0, 1.0, 1.0, 1.0]
+    assert verifier_reward("exact", tokenizer)(tasks, data).tolist() == [0.0, 0.0, 1.0, 1.0]
+    assert verifier_reward("contains", tokenizer)(tasks, data).tolist() == [1.0, 1.0, 1.0, 1.0]
 
 
 @pytest.mark.parametrize("instruction", ["mention:", "size:12", "max_chars:十", "min_chars:", "早餐"])
@@ -182,25 +182,25 @@ def rollout_data(tokenizer, answers, ended):
 def test_the_verifier_rewards_only_a_whole_answer_that_ended(tokenizer):
     """1.0 for the right answer followed by [SEP]; 0.0 for the right answer cut off before [SEP], for a wrong one and
     for an empty one."""
-    from plumbing.tasks import score_with_verifier
+    from plumbing.tasks import verifier_reward
 
     tasks = [{"prompt": "计算：三加四", "answer": "七", "family": "arithmetic"}] * 4
     data = rollout_data(tokenizer, ["七", "七", "八", ""], [True, False, True, True])
-    assert score_with_verifier("exact", tokenizer)(data, tasks).tolist() == [1.0, 0.0, 0.0, 0.0]
+    assert verifier_reward("exact", tokenizer)(tasks, data).tolist() == [1.0, 0.0, 0.0, 0.0]
 
 
 def test_a_lax_checker_is_exploited_and_the_strict_one_and_the_monitors_are_not(tokenizer):
     """A policy that answers every problem with a list of candidates farms the lax checker (reward 1 on every
     problem) and gets 0 from the strict one, and the hacking flag names it from the monitors alone."""
-    from plumbing.tasks import score_with_verifier
+    from plumbing.tasks import verifier_reward
 
     answers = [verifiers.to_chinese_digits(n) for n in range(20, 41)]
     tasks = [{"prompt": "计算：一二加一五", "answer": verifiers.to_chinese_digits(27), "family": "arithmetic"},
              {"prompt": "计算：二〇加一四", "answer": verifiers.to_chinese_digits(34), "family": "arithmetic"}]
     farming = "".join(answers)  # "二〇二一二二…四〇": every candidate at once
     data = rollout_data(tokenizer, [farming, farming], [True, True])
-    assert score_with_verifier("contains", tokenizer)(data, tasks).tolist() == [1.0, 1.0]
-    assert score_with_verifier("exact", tokenizer)(data, tasks).tolist() == [0.0, 0.0]
+    assert verifier_reward("contains", tokenizer)(tasks, data).tolist() == [1.0, 1.0]
+    assert verifier_reward("exact", tokenizer)(tasks, data).tolist() == [0.0, 0.0]
     honest = {"all_pass1": 0.30, "all_lax": 0.32, "empty_share": 0.0, "eos_share": 0.98, "length": 2.5, "kl": 0.0}
     hacked = {"all_pass1": 0.05, "all_lax": 0.95, "empty_share": 0.0, "eos_share": 0.90, "length": 40.0, "kl": 6.0}
     flag = task_hacking_flag(honest, hacked, kl_limit=3.0)
@@ -316,7 +316,7 @@ def test_a_special_token_inside_an_answer_makes_it_wrong(tokenizer):
     """decode drops [ANS], [CLS], [PAD] and [MASK]: "六[ANS]三二" would read as "六三二"; the verifier refuses it."""
     from chinese_tokenizer import ANSWER_ID, EOS_ID, encode
     from plumbing.rollouts import response_mask_after
-    from plumbing.tasks import score_with_verifier
+    from plumbing.tasks import verifier_reward
 
     right = encode("六三二", tokenizer)
     stray = right[:1] + [ANSWER_ID] + right[1:]
@@ -324,4 +324,4 @@ def test_a_special_token_inside_an_answer_makes_it_wrong(tokenizer):
     data = {"input_ids": torch.cat([torch.full((2, 2), 101), responses], dim=1), "prompt_len": 2,
             "response_mask": response_mask_after(responses, EOS_ID).float(), "ended": torch.tensor([True, True])}
     tasks = [{"prompt": "计算：三〇〇加三三二", "answer": "六三二", "family": "arithmetic"}] * 2
-    assert score_with_verifier("exact", tokenizer)(data, tasks).tolist() == [1.0, 0.0]
+    assert verifier_reward("exact", tokenizer)(tasks, data).tolist() == [1.0, 0.0]
