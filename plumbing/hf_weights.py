@@ -71,6 +71,22 @@ add ``"prompt_starts_with_bos"``: whether prompts start with ``bos_token_id`` (`
 (uer) and false otherwise. uer's config.json gives bos/eos 50256 (English GPT-2's ``<|endoftext|>``, outside a
 21128-id vocabulary): not read; exports write [CLS]/[SEP]/[PAD]. Weights in float16/bfloat16 are widened to float32.
 
+LoRA adapters (``save_peft_adapter``) leave as a ``peft`` adapter to load over the base model's export:
+``adapter_config.json`` and ``adapter_model.safetensors`` with ``base_model.model.<module>.lora_A.weight`` (r, in) and
+``.lora_B.weight`` (out, r), the shapes ours in every architecture, GPT-2's Conv1D included (its
+``fan_in_fan_out`` only makes ``peft`` transpose the merged delta). A target goes to the module its weight goes to
+(``PEFT_MODULES``), and B's rows move as the weight's rows do: q/k rows permuted for rotary. A fused module (GPT-2
+``c_attn``, GPT-NeoX ``query_key_value``) gets one LoRA for the n parts of q, k, v that have adapters, in that order::
+
+    A_fused = [A_q; A_k; A_v]  (n r, E)   the adapted parts' A stacked
+    B_fused                    (3E, n r)  part p's rows hold B_p in p's r columns, zeros elsewhere
+    B_fused @ A_fused          (3E, E)    part p's rows get B_p @ A_p: each delta lands on its weight's rows
+
+Part p's rows are its weight's rows in the base export: [q; k; v] for GPT-2 (``c_attn``'s columns), head by head
+[q_h; k_h; v_h] for GPT-NeoX. ``peft`` scales each module by its own alpha / rank; the fused one has rank n r, so
+``rank_pattern`` gives it n r and ``alpha_pattern`` n alpha: n alpha / (n r) = alpha / r, our scaling. A reward
+model's adapters are refused: merge them and export the merged model.
+
 The command ``load_weight.py`` converts a directory either way with these functions; ``0-PRETRAIN.py
 --init_from_hf`` and ``generate.py --from_hf`` load language models with ``load_hf_model``.
 """
@@ -707,3 +723,186 @@ def import_tokenizer(hf_dir: str, explicit: str | None):
             continue
     raise UserError(f"no usable tokenizer: {hf_dir} has no bert-base-chinese vocab.txt and data/tokenizer is missing;"
                     f" run `python data/prepare.py --tokenizer-only` or pass --tokenizer DIR")
+
+
+# --------------------------------------------------------------------------------------------------------------
+# LoRA adapters as a peft adapter over the exported base model
+
+ADAPTER_CONFIG_FILE, ADAPTER_FILE = "adapter_config.json", "adapter_model.safetensors"
+PEFT_PREFIX = "base_model.model."  # PeftModel -> LoraModel -> the transformers model: every adapter name starts so
+# our LoRA target (a module path inside a TransformerBlock) -> the module inside a block of each architecture that
+# computes it; GPT-2's and GPT-NeoX's q, k and v all land in one fused module
+PEFT_MODULES = {
+    "gpt2": {"att.W_query": "attn.c_attn", "att.W_key": "attn.c_attn", "att.W_value": "attn.c_attn",
+             "att.out_proj": "attn.c_proj", "ff.layers.0": "mlp.c_fc", "ff.layers.2": "mlp.c_proj"},
+    "gpt_neox": {"att.W_query": "attention.query_key_value", "att.W_key": "attention.query_key_value",
+                 "att.W_value": "attention.query_key_value", "att.out_proj": "attention.dense",
+                 "ff.layers.0": "mlp.dense_h_to_4h", "ff.layers.2": "mlp.dense_4h_to_h"},
+    "arcee": {"att.W_query": "self_attn.q_proj", "att.W_key": "self_attn.k_proj", "att.W_value": "self_attn.v_proj",
+              "att.out_proj": "self_attn.o_proj", "ff.layers.0": "mlp.up_proj", "ff.layers.2": "mlp.down_proj"},
+}
+ATTENTION_QKV = tuple(f"att.{p}" for p in QKV)
+
+
+def _lora_settings(settings: dict) -> tuple[int, float, list[str], float]:
+    """(rank, alpha, targets, dropout) of a LoRA settings dict ``{"rank", "alpha", "targets", "dropout"}``, checked.
+
+    Raises:
+        UserError: a missing key, a rank that is not a positive integer, an alpha that is not a positive number,
+            no targets or one that is not a projection of our blocks, a dropout outside [0, 1).
+    """
+    missing = [k for k in ("rank", "alpha", "targets") if k not in settings]
+    if missing:
+        raise UserError(f"the LoRA settings lack {', '.join(missing)}; the adapter's checkpoint is incomplete")
+    rank, alpha, dropout = settings["rank"], settings["alpha"], settings.get("dropout", 0.0)
+    targets = settings["targets"]
+    targets = [targets] if isinstance(targets, str) else list(targets)
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank <= 0:
+        raise UserError(f"LoRA rank {rank!r} is not a positive integer; the adapter's checkpoint is damaged")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not alpha > 0:
+        raise UserError(f"LoRA alpha {alpha!r} is not a positive number; the adapter's checkpoint is damaged")
+    unknown = [t for t in targets if t not in PEFT_MODULES["gpt2"]]
+    if not targets or unknown or len(set(targets)) != len(targets):
+        raise UserError(f"LoRA targets {targets} must be distinct names among {', '.join(PEFT_MODULES['gpt2'])}; "
+                        f"the adapter's checkpoint is damaged")
+    if not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
+        raise UserError(f"LoRA dropout {dropout!r} is not in [0, 1); the adapter's checkpoint is damaged")
+    return rank, alpha, targets, float(dropout)
+
+
+def _adapter_pairs(cfg: GPTConfig, rank: int, targets: list[str], adapter_state: dict) -> dict:
+    """{(block, target): (A (r, in), B (out, r))} from an adapter state dict, float32 on the CPU, names and shapes
+    checked against ``cfg`` and the settings.
+
+    Raises:
+        UserError: a reward model's adapters (``backbone.`` names), tensors missing or left over, wrong shapes.
+    """
+    if any(name.startswith("backbone.") for name in adapter_state):
+        raise UserError("these are a reward model's adapters: peft's sequence-classification adapters would also "
+                        "have to carry the score head, which this export does not write; merge the adapters and "
+                        "export the merged reward model")
+    e = cfg.emb_dim
+    sizes = {"ff.layers.0": (e, 4 * e), "ff.layers.2": (4 * e, e)}  # (in, out); every attention projection (E, E)
+    shapes = {}
+    for i in range(cfg.n_layers):
+        for target in targets:
+            n_in, n_out = sizes.get(target, (e, e))
+            shapes[f"trf_blocks.{i}.{target}.lora_A"] = (rank, n_in)
+            shapes[f"trf_blocks.{i}.{target}.lora_B"] = (n_out, rank)
+    missing, unknown = set(shapes) - set(adapter_state), set(adapter_state) - set(shapes)
+    if missing or unknown:
+        problems = ([f"missing {len(missing)} ({_listing(missing)})"] if missing else []) + \
+                   ([f"{len(unknown)} unexpected ({_listing(unknown)})"] if unknown else [])
+        raise UserError(f"the adapter tensors do not match rank {rank} on {', '.join(targets)} in {cfg.n_layers} "
+                        f"blocks: {'; '.join(problems)}; the adapter belongs to another model or settings")
+    wrong = [f"{n} {tuple(adapter_state[n].shape)} (expected {s})" for n, s in shapes.items()
+             if tuple(adapter_state[n].shape) != s]
+    if wrong:
+        raise UserError(f"adapter tensors of the wrong shape: {', '.join(wrong[:4])}; the adapter belongs to another "
+                        f"model or settings")
+    return {(i, t): tuple(adapter_state[f"trf_blocks.{i}.{t}.lora_{ab}"].detach().to("cpu", torch.float32)
+                          for ab in "AB") for i in range(cfg.n_layers) for t in targets}
+
+
+def peft_adapter(cfg: GPTConfig, settings: dict, adapter_state: dict,
+                 base_model_name_or_path: str | None = None) -> tuple[dict, dict]:
+    """The ``peft`` form of LoRA adapters trained on ``GPTModel(cfg)``: (``adapter_config.json``'s dict,
+    ``adapter_model.safetensors``' tensors), for ``PeftModel.from_pretrained`` over the model ``save_hf_model``
+    exports for ``cfg``.
+
+    Args:
+        cfg: the base model's configuration (it fixes the architecture, ``architecture_for``).
+        settings: ``{"rank": r, "alpha": alpha, "targets": [...], "dropout": p}``.
+        adapter_state: ``trf_blocks.{i}.{target}.lora_A`` (r, in) and ``.lora_B`` (out, r) for every block and
+            target; each target's weight W (out, in) becomes W + alpha / r * B @ A.
+        base_model_name_or_path: written into the config as is (e.g. the exported base directory's name).
+
+    Each of our (A, B) pairs keeps its shapes: peft's ``lora_A.weight`` is (r, in) and ``lora_B.weight`` (out, r),
+    Conv1D included (GPT-2's ``fan_in_fan_out`` only transposes the merged delta). Query and key B rows are
+    permuted for ``rotate_half`` like the base weights. q/k/v adapters of a fused module (GPT-2 ``c_attn``,
+    GPT-NeoX ``query_key_value``) become one LoRA of rank n * r (n adapted parts): A stacked [A_q; A_k; A_v], B
+    block-diagonal in the base weight's row order, alpha n * alpha so its scaling stays alpha / r
+    (``rank_pattern`` / ``alpha_pattern``); the module docstring shows the layout. peft's dropout then drops the
+    fused module's input once where ours drops each projection's input on its own: the same in inference.
+
+    Raises:
+        UserError: a configuration without an equivalent, unusable settings, adapter tensors that do not fit them
+            or ``cfg`` (named), or a reward model's adapters.
+    """
+    arch = architecture_for(cfg)
+    rank, alpha, targets, dropout = _lora_settings(settings)
+    pairs = _adapter_pairs(cfg, rank, targets, adapter_state)
+    e, h = cfg.emb_dim, cfg.n_heads
+    halves = rope_to_halves(e // h)
+    modules = PEFT_MODULES[arch]
+    fused = [t for t in ATTENTION_QKV if t in targets] if arch != "arcee" else []  # in q, k, v order
+    tensors = {}
+    for i in range(cfg.n_layers):
+        block = f"{PEFT_PREFIX}{CLASSES[arch][2]}{LAYER_PREFIX[arch]}{i}."
+        moved = {}  # target -> (A, B) with B's rows in the base export's order
+        for target in targets:
+            a, b = pairs[i, target]
+            if arch != "gpt2" and target in ATTENTION_QKV[:2]:  # the rows the base export permuted for rotary
+                b = permute_heads(b, h, halves)
+            moved[target] = a, b
+        for target in targets:
+            if target not in fused:
+                tensors[f"{block}{modules[target]}.lora_A.weight"] = moved[target][0]
+                tensors[f"{block}{modules[target]}.lora_B.weight"] = moved[target][1]
+        if fused:
+            n = len(fused)
+            a_fused = torch.cat([moved[t][0] for t in fused])  # (n r, E): [A_q; A_k; A_v] of the adapted ones
+            rows = [torch.zeros(e, n * rank) for _ in ATTENTION_QKV]  # each part's rows of B, (E, n r)
+            for j, target in enumerate(fused):
+                rows[ATTENTION_QKV.index(target)][:, j * rank:(j + 1) * rank] = moved[target][1]
+            if arch == "gpt2":  # c_attn's outputs are [q | k | v]
+                b_fused = torch.cat(rows)  # (3E, n r)
+            else:  # query_key_value's are head by head, [q_h; k_h; v_h]
+                b_fused = torch.stack([part.unflatten(0, (h, -1)) for part in rows], dim=1).flatten(0, 2)  # (3E, n r)
+            tensors[f"{block}{modules[fused[0]]}.lora_A.weight"] = a_fused
+            tensors[f"{block}{modules[fused[0]]}.lora_B.weight"] = b_fused
+    fused_module = {modules[fused[0]]: len(fused)} if len(fused) > 1 else {}
+    config = {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model_name_or_path,
+        "r": rank, "lora_alpha": alpha, "lora_dropout": dropout,
+        "target_modules": sorted({modules[t] for t in targets}),
+        "rank_pattern": {m: n * rank for m, n in fused_module.items()},
+        "alpha_pattern": {m: n * alpha for m, n in fused_module.items()},
+        "fan_in_fan_out": arch == "gpt2",  # Conv1D stores (in, out): peft transposes the merged delta
+        "bias": "none", "use_rslora": False, "use_dora": False, "modules_to_save": None, "inference_mode": True}
+    return config, {k: v.contiguous().clone() for k, v in tensors.items()}
+
+
+def save_peft_adapter(cfg: GPTConfig, settings: dict, adapter_state: dict, out_dir: str,
+                      base_model_name_or_path: str | None = None, overwrite: bool = False) -> dict:
+    """Write ``peft_adapter``'s two files, ``adapter_config.json`` and ``adapter_model.safetensors``, into
+    ``out_dir``, built beside it and renamed into place as ``save_hf_model`` does. Then
+    ``PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), out_dir)``, where ``base`` is
+    ``save_hf_model``'s export of the base model, gives the logits of the base model with the adapters merged.
+    Returns the adapter config written.
+
+    Raises:
+        UserError: whatever ``peft_adapter`` refuses (before the disk is touched), ``out_dir`` exists and
+            ``overwrite`` is false, or the disk write fails.
+    """
+    config, tensors = peft_adapter(cfg, settings, adapter_state, base_model_name_or_path)
+    if os.path.exists(out_dir) and not overwrite:
+        raise UserError(f"{out_dir} already exists; pass --overwrite (overwrite=True) to replace it, or choose "
+                        f"another directory")
+    if os.path.isfile(out_dir):
+        raise UserError(f"{out_dir} is a file; choose a directory path")
+    tmp = None
+    try:
+        parent = os.path.dirname(os.path.abspath(out_dir))
+        os.makedirs(parent, exist_ok=True)
+        tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(out_dir)}.tmp-", dir=parent)
+        save_file(tensors, os.path.join(tmp, ADAPTER_FILE), metadata={"format": "pt"})
+        with open(os.path.join(tmp, ADAPTER_CONFIG_FILE), "w", encoding="utf-8") as f:
+            json.dump(config, f, indent=2)
+        replace_dir(tmp, out_dir)
+    except OSError as e:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise UserError(f"could not write {out_dir}: {e.strerror or e}; free some disk space or choose another "
+                        f"directory") from e
+    return config
