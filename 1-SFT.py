@@ -28,9 +28,20 @@ import torch
 
 from chinese_tokenizer import EOS_ID, chat_messages_ids, decode, load_tokenizer, until_eos
 from gpt_model import generate
+from lora import add_lora, trainable_parameters
 from plumbing.batching import BatchSchedule, ChatPairs, length_grouped_batches, spread_subset
 from plumbing.checkpoint import check_output_dir, load_backbone
-from plumbing.cli import UserError, add_optimizer_argument, default_path, fill_defaults, positive_int, run, stage_parser
+from plumbing.cli import (
+    UserError,
+    add_lora_arguments,
+    add_optimizer_argument,
+    check_lora_arguments,
+    default_path,
+    fill_defaults,
+    positive_int,
+    run,
+    stage_parser,
+)
 from plumbing.flops import training_flops_per_token
 from plumbing.markdown import markdown_table
 from plumbing.optimizers import make_optimizer
@@ -77,8 +88,10 @@ def parse_args(argv=None):
                         "start of their prompt")
     p.add_argument("--num_samples", type=positive_int, default=6, help="fixed val prompts answered at each eval")
     add_optimizer_argument(p)
+    add_lora_arguments(p)
     args = p.parse_args(argv)
     fill_defaults(args, DEFAULTS[args.preset])
+    check_lora_arguments(args)
     return args
 
 
@@ -148,6 +161,8 @@ def main(argv=None):
     # --- model: the pretrained checkpoint ----------------------------------------------------------------------
     model, parent = load_backbone(args.init, "--init", tokenizer, "0-PRETRAIN.py")
     cfg = model.cfg
+    if args.lora_rank:  # LoRA: only the adapters train; the checkpoint holds them alone, over --init (lora.py)
+        add_lora(model, args.lora_rank, args.lora_alpha, args.lora_targets, dropout=cfg.drop_rate)
     max_length = args.max_length or cfg.context_length
     if not 3 <= max_length <= cfg.context_length:
         raise UserError(f"--max_length {max_length} must be in 3..{cfg.context_length} (the model's positions)")
@@ -160,7 +175,8 @@ def main(argv=None):
     eval_pairs = sorted(spread_subset(len(val), args.eval_examples), key=lambda i: val.lengths[i])
     accelerator.print(f"train: {len(train)} pairs, {sum(train.lengths):,} tokens, {len(batches)} batches of "
                       f"<= {args.batch_size}; val: {len(val)} pairs ({len(eval_pairs)} per eval); "
-                      f"{sum(p.numel() for p in model.parameters()):,} parameters")
+                      f"{sum(p.numel() for p in model.parameters()):,} parameters, {trainable_parameters(model):,} "
+                      f"trained")
     schedule = BatchSchedule(len(batches), 1, args.gradient_accumulation_steps, accelerator.num_processes, args.seed)
     sample_rows = [val.rows[i] for i in pick_sample_rows(val.rows, args.num_samples)]
 

@@ -27,7 +27,17 @@ from chinese_tokenizer import SEP_ID, chat_prompt_ids, encode, load_tokenizer
 from plumbing.alignment import PROMPT_FILES, HeldOut, add_held_out_arguments, load_policy_and_reward, read_val_prompts
 from plumbing.batching import BatchSchedule, chat_example, collate_chat, length_grouped_batches, spread_subset
 from plumbing.checkpoint import check_output_dir
-from plumbing.cli import UserError, default_path, fill_defaults, positive_float, positive_int, run, stage_parser
+from plumbing.cli import (
+    UserError,
+    add_lora_arguments,
+    check_lora_arguments,
+    default_path,
+    fill_defaults,
+    positive_float,
+    positive_int,
+    run,
+    stage_parser,
+)
 from plumbing.flops import training_flops_per_token
 from plumbing.optimizers import make_optimizer
 from plumbing.records import read_preference_pairs
@@ -73,7 +83,9 @@ def parse_args(argv=None):
                    help="longest sequence in tokens; a longer pair loses the start of its prompt, then the end of "
                         "its response")
     add_held_out_arguments(p, "DPO")
+    add_lora_arguments(p)
     args = p.parse_args(argv)
+    check_lora_arguments(args)
     return fill_defaults(args, {**DEFAULTS[args.preset], "val_prompts_file": PROMPT_FILES[False]["val_prompts_file"]})
 
 

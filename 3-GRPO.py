@@ -30,6 +30,8 @@ from plumbing.batching import BatchSchedule
 from plumbing.checkpoint import check_output_dir
 from plumbing.cli import (
     UserError,
+    add_lora_arguments,
+    check_lora_arguments,
     default_path,
     non_negative_float,
     positive_float,
@@ -88,6 +90,7 @@ def parse_args(argv=None):
                         'records.prompt_of) or a .txt file of one prompt per line (default: data/ppo/prompts.jsonl); '
                         'with --verifier problems with answers (default: data/instructions/train.jsonl)')
     add_held_out_arguments(p, "GRPO")
+    add_lora_arguments(p)
     p.add_argument("--rollout_size", type=positive_int, help="prompts per iteration (per process)")
     p.add_argument("--group_size", type=positive_int, help="G, responses sampled per prompt (at least 2)")
     p.add_argument("--grpo_epochs", type=positive_int, default=1,
@@ -100,6 +103,7 @@ def parse_args(argv=None):
     p.add_argument("--no_eos_penalty", type=non_negative_float, default=1.0,
                    help="subtracted from the reward of a response that reaches --max_new_tokens without [SEP]")
     args = p.parse_args(argv)
+    check_lora_arguments(args)
     online_defaults(args, DEFAULTS, TASK_DEFAULTS, {False: default_path("checkpoints", "grpo"),
                                                     True: default_path("checkpoints", "grpo-tasks")})
     if args.group_size < 2:

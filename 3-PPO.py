@@ -47,6 +47,8 @@ from plumbing.alignment import (
 from plumbing.batching import BatchSchedule
 from plumbing.checkpoint import check_output_dir
 from plumbing.cli import (
+    add_lora_arguments,
+    check_lora_arguments,
     default_path,
     non_negative_float,
     positive_float,
@@ -105,6 +107,7 @@ def parse_args(argv=None):
                         'records.prompt_of) or a .txt file of one prompt per line (default: data/ppo/prompts.jsonl); '
                         'with --verifier problems with answers (default: data/instructions/train.jsonl)')
     add_held_out_arguments(p, "PPO")
+    add_lora_arguments(p)
     p.add_argument("--rollout_size", type=positive_int, help="prompts sampled per iteration (per process)")
     p.add_argument("--ppo_epochs", type=positive_int, default=4, help="passes over each rollout batch")
     p.add_argument("--kl_coef", type=non_negative_float,
@@ -127,6 +130,7 @@ def parse_args(argv=None):
     p.add_argument("--cliprange_value", type=positive_float, default=0.2, help="value clip")
     p.add_argument("--vf_coef", type=positive_float, default=0.5, help="weight of the value loss")
     args = p.parse_args(argv)
+    check_lora_arguments(args)
     return online_defaults(args, DEFAULTS, TASK_DEFAULTS, {False: default_path("checkpoints", "ppo"),
                                                            True: default_path("checkpoints", "ppo-tasks")})
 
@@ -221,7 +225,8 @@ def make_critic(online) -> RewardModel:
     if online.reward_model is not None:
         critic.load_state_dict(online.reward_model.state_dict())
     else:
-        critic.backbone.load_state_dict(online.policy.state_dict())
+        # a network of its own, trained whole even when the policy trains LoRA adapters (zero at step 0, left out)
+        critic.backbone.load_state_dict({k: v for k, v in online.policy.state_dict().items() if ".lora_" not in k})
         torch.nn.init.zeros_(critic.head.linear.weight)
         torch.nn.init.zeros_(critic.head.linear.bias)
     return critic

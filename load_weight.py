@@ -11,30 +11,45 @@ Command line (see ``--help``)::
 
     python load_weight.py --from_hf DIR --to_checkpoint checkpoints/hf-init     # HF directory -> stage checkpoint
     python load_weight.py --checkpoint checkpoints/ppo --to_hf DIR              # stage checkpoint -> HF directory
+
+A LoRA stage's checkpoint (``--lora_rank``: the adapters alone over a base, ``lora.py``) leaves merged, as any
+other (the adapters added into the weights), or with ``--peft`` as the base model's export plus a ``peft`` adapter
+(``hf_weights.save_peft_adapter``); ``--merge DIR`` writes it as a full stage checkpoint that needs no base.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import os
+import shutil
+import tempfile
 
 from chinese_tokenizer import CHAT_TEMPLATE
 from gpt_model import RewardModel
+from lora import lora_layers, lora_settings, lora_state_dict, merge_lora
 from plumbing.checkpoint import (
     CHAT_STAGES,
     check_vocab,
     command_line,
     file_sha256,
     load_checkpoint,
+    merge_adapter_checkpoint,
+    replace_dir,
     save_checkpoint,
 )
 from plumbing.cli import ArgumentParser, UserError, default_path, run
-from plumbing.hf_weights import hf_weight_files, import_tokenizer, load_hf_model, save_hf_model
+from plumbing.hf_weights import hf_weight_files, import_tokenizer, load_hf_model, save_hf_model, save_peft_adapter
 
 EXAMPLES = """examples:
   # export the aligned model for transformers (GPT-NeoX for the demo's rotary positions; chat template included)
   python load_weight.py --checkpoint checkpoints/ppo --to_hf hf/ppo
   #   then: AutoTokenizer.from_pretrained("hf/ppo"), AutoModelForCausalLM.from_pretrained("hf/ppo")
+
+  # a LoRA checkpoint (1-SFT.py --lora_rank 8): as a peft adapter over its base, or merged into one checkpoint
+  python load_weight.py --checkpoint checkpoints/sft-lora --to_hf hf/sft-lora --peft
+  #   then: PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained("hf/sft-lora/base"), "hf/sft-lora/adapter")
+  python load_weight.py --checkpoint checkpoints/sft-lora --merge checkpoints/sft-merged
 
   # export the reward model: AutoModelForSequenceClassification (one score per text, read at its last token)
   python load_weight.py --checkpoint checkpoints/rm --to_hf hf/rm
@@ -64,13 +79,23 @@ def parse_args(argv=None):
     p.add_argument("--to_checkpoint", metavar="DIR", default=default_path("checkpoints", "hf-init"),
                    help="where --from_hf writes the stage checkpoint (default: %(default)s)")
     p.add_argument("--to_hf", metavar="DIR", help="where --checkpoint writes the Hugging Face directory")
+    p.add_argument("--peft", action="store_true",
+                   help="with --to_hf and a LoRA checkpoint: write the base model to DIR/base and the adapters as a "
+                        "peft adapter to DIR/adapter, instead of one model with the adapters merged in")
+    p.add_argument("--merge", metavar="DIR",
+                   help="with --checkpoint of a LoRA stage: write its base with the adapters merged in as a full "
+                        "stage checkpoint at DIR (one that loads without the base)")
     p.add_argument("--tokenizer", metavar="DIR",
                    help="tokenizer for --from_hf (default: the HF directory's own vocab.txt if it is the "
                         "bert-base-chinese vocabulary, else data/tokenizer)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
     args = p.parse_args(argv)
-    if args.checkpoint and not args.to_hf:
-        p.error("--checkpoint needs --to_hf DIR (where to write the Hugging Face directory)")
+    if args.checkpoint and not (args.to_hf or args.merge):
+        p.error("--checkpoint needs --to_hf DIR (where to write the Hugging Face directory) or --merge DIR")
+    if args.to_hf and args.merge:
+        p.error("--to_hf and --merge are two different outputs; give one of them")
+    if args.peft and not args.to_hf:
+        p.error("--peft goes with --checkpoint and --to_hf")
     if args.from_hf and args.to_hf:
         p.error("--to_hf goes with --checkpoint; with --from_hf use --to_checkpoint")
     return args
@@ -78,12 +103,19 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.merge:
+        merge_adapter_checkpoint(args.checkpoint, args.merge, args.overwrite)
+        print(f"wrote {args.merge}: {args.checkpoint}'s adapters merged into its base, a full checkpoint")
+        return 0
     if args.checkpoint:
         if os.path.exists(args.to_hf) and not args.overwrite:
             raise UserError(f"--to_hf {args.to_hf} already exists; pass --overwrite to replace it, or choose another "
                             f"directory")
         model, tokenizer, config = load_checkpoint(args.checkpoint, flag="--checkpoint")
         chat = config.get("stage") in CHAT_STAGES
+        if args.peft:
+            return export_peft(args, model, tokenizer, config, chat)
+        merge_lora(model)  # a LoRA checkpoint leaves as one model, the adapters added into the weights
         written = save_hf_model(model, args.to_hf, tokenizer, overwrite=args.overwrite, chat=chat)
         auto = "AutoModelForSequenceClassification" if "Classification" in written else "AutoModelForCausalLM"
         print(f"wrote {args.to_hf} as {written}: {auto}.from_pretrained and AutoTokenizer.from_pretrained load it"
@@ -108,6 +140,35 @@ def main(argv=None):
     kind = "a reward model, e.g. for --reward" if isinstance(model, RewardModel) else "continue with --init"
     print(f"wrote {args.to_checkpoint} ({n_params:,} parameters, {model.cfg.n_layers} layers x {model.cfg.emb_dim}, "
           f"context {model.cfg.context_length}); {kind} {args.to_checkpoint}")
+    return 0
+
+
+def export_peft(args, model, tokenizer, config, chat: bool) -> int:
+    """``--to_hf DIR --peft``: a LoRA checkpoint as DIR/base (its base model, exported as any checkpoint) and
+    DIR/adapter (the adapters as ``peft`` writes them, ``hf_weights.save_peft_adapter``), both built in a temporary
+    sibling that is renamed into place. ``UserError`` when the checkpoint has no adapters."""
+    if "lora" not in config:
+        raise UserError(f"--peft: --checkpoint {args.checkpoint} has no LoRA adapters (its stage ran without "
+                        f"--lora_rank); export it without --peft")
+    settings, adapters = lora_settings(model), lora_state_dict(model)
+    base = copy.deepcopy(model)
+    for layer in lora_layers(base):
+        layer.lora_B.data.zero_()  # B = 0: the update is exactly zero, so merging leaves the base weights as they are
+    merge_lora(base)
+    parent = os.path.dirname(os.path.abspath(args.to_hf))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(args.to_hf)}.tmp-", dir=parent)
+    try:
+        save_peft_adapter(model.cfg, settings, adapters, os.path.join(tmp, "adapter"),
+                          base_model_name_or_path="../base")
+        written = save_hf_model(base, os.path.join(tmp, "base"), tokenizer, chat=chat)
+        replace_dir(tmp, args.to_hf)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    print(f"wrote {args.to_hf}/base ({written}) and {args.to_hf}/adapter (a peft adapter, rank {settings['rank']}, "
+          f"{', '.join(settings['targets'])}): PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained("
+          f"'{args.to_hf}/base'), '{args.to_hf}/adapter') loads them")
     return 0
 
 

@@ -27,7 +27,7 @@ import time
 from chinese_tokenizer import load_tokenizer
 from gpt_model import PRESETS
 from plumbing import cli
-from plumbing.checkpoint import file_sha256
+from plumbing.checkpoint import file_sha256, weights_file
 from plumbing.cli import USER_ERRORS, ArgumentParser, UserError, default_path, run
 from plumbing.report import (
     ALIGNED,
@@ -190,7 +190,7 @@ def trained_from_its_parent(stage: str, config: dict) -> bool:
     for name, parent in needed.items():
         if parent is None:
             continue
-        weights = os.path.join(ROOT, CHECKPOINTS[parent], "model.safetensors")
+        weights = weights_file(os.path.join(ROOT, CHECKPOINTS[parent]))  # adapter.safetensors after a LoRA stage
         if not os.path.isfile(weights) or config.get(f"{name}_sha256") != file_sha256(weights):
             return False
     return True

@@ -40,6 +40,7 @@ import torch
 from accelerate import PartialState
 
 from chinese_tokenizer import decode
+from lora import AdaptersOff, add_lora
 from plumbing.checkpoint import CHAT_STAGES, load_backbone, load_checkpoint, parent_meta, read_config, weights_digest
 from plumbing.cli import UserError, default_path, fill_defaults, positive_int
 from plumbing.devices import forked_rng
@@ -418,10 +419,16 @@ def load_policy_and_ref(args, tokenizer, device):
     """The SFT policy (``--policy``, train mode, on the CPU for ``accelerator.prepare``), a frozen copy of it as the
     reference (eval mode, on ``device``) and what the child checkpoint records about its parent.
 
+    With ``--lora_rank`` the policy gets LoRA adapters (``lora.add_lora``: only they train) and the reference is
+    no copy but the same network with its adapters off (``lora.AdaptersOff``): its frozen base is the SFT model.
+
     Raises:
         UserError: a missing or wrong checkpoint, or another vocabulary.
     """
     policy, parent = load_backbone(args.policy, "--policy", tokenizer, "1-SFT.py")
+    if args.lora_rank:
+        add_lora(policy, args.lora_rank, args.lora_alpha, args.lora_targets, dropout=policy.cfg.drop_rate)
+        return policy, parent, AdaptersOff(policy)
     ref = copy.deepcopy(policy)  # the SFT model as it is now, before --resume loads the trained policy
     ref.requires_grad_(False).eval().to(device)
     return policy, parent, ref

@@ -16,6 +16,7 @@ import threading
 
 from chinese_tokenizer import TokenizerError
 from gpt_model import PRESETS
+from lora import parse_targets
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -186,6 +187,36 @@ def add_optimizer_argument(p) -> None:
                    help="adamw for every weight, or muon: Muon for the blocks' matrices at 10x --learning_rate and "
                         "AdamW for the token embedding at 30x and the norms and biases at 1x "
                         "(optimizers.make_optimizer; default: the preset's)")
+
+
+def add_lora_arguments(p) -> None:
+    """``--lora_rank``, ``--lora_alpha`` and ``--lora_targets`` of the stages that tune a language model (1-SFT.py,
+    3-DPO.py, 3-GRPO.py, 3-PPO.py): with a rank, the stage trains LoRA adapters alone (``lora.add_lora``) and
+    writes an adapter checkpoint over its parent; ``check_lora_arguments`` fills ``--lora_alpha``."""
+    p.add_argument("--lora_rank", type=positive_int,
+                   help="train LoRA adapters of this rank instead of every weight (Hu et al. 2021; e.g. 8): the "
+                        "checkpoint then holds the adapters alone and names its base by path and sha256")
+    p.add_argument("--lora_alpha", type=float,
+                   help="the adapters' scale alpha; the update is (alpha / rank) B A (default: 2 x --lora_rank)")
+    p.add_argument("--lora_targets", default="W_query,W_value",
+                   help="which linear layers of each block get adapters, comma-separated from W_query, W_key, "
+                        "W_value, out_proj, ff.layers.0, ff.layers.2, or 'all' (default: %(default)s, the paper's)")
+
+
+def check_lora_arguments(args) -> None:
+    """Check the LoRA flags (``add_lora_arguments``) and fill ``--lora_alpha``; ``UserError`` names a bad value."""
+    if args.lora_rank is None:
+        if args.lora_alpha is not None:
+            raise UserError("--lora_alpha goes with --lora_rank; give a rank (e.g. --lora_rank 8) or drop it")
+        return
+    if args.lora_alpha is None:
+        args.lora_alpha = 2.0 * args.lora_rank
+    if not args.lora_alpha > 0:
+        raise UserError(f"--lora_alpha {args.lora_alpha} must be > 0")
+    try:
+        args.lora_targets = parse_targets(args.lora_targets)
+    except ValueError as e:
+        raise UserError(f"--lora_targets: {e}") from e
 
 
 def default_path(*parts: str) -> str:

@@ -16,6 +16,7 @@ import sys
 import torch
 
 from chinese_tokenizer import CHAT_TEMPLATE, chat_messages_ids, encode
+from lora import merge_lora
 from plumbing.checkpoint import CHAT_STAGES, check_vocab, load_checkpoint, read_config
 from plumbing.cli import UserError, default_path
 
@@ -76,6 +77,7 @@ def load_policy(args):
         raise UserError(f"--checkpoint {path} is a reward model; generate from a pretrain/SFT/PPO/DPO/GRPO checkpoint "
                         f"and pass this one as --reward")
     model, tokenizer, config = load_checkpoint(path, "gpt", flag="--checkpoint")
+    merge_lora(model)  # a LoRA stage's adapters added into the weights once: decoding runs at the base's cost
     stage = config.get("stage", "unknown")
     chat = stage in CHAT_STAGES and not args.raw
     log(f"loaded {path} (stage {stage}): {'chat template' if chat else 'plain continuation'}")
