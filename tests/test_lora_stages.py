@@ -118,10 +118,10 @@ def test_lora_sft_refuses_a_resume_with_other_lora_flags(lora_sft, tiny_pretrain
 
 
 @pytest.mark.slow
-def test_lora_dpo_and_grpo_start_as_their_reference_and_grpo_resumes_exactly(tmp_path, tiny_policy_and_rm, prompts,
+def test_lora_dpo_grpo_and_ppo_start_as_their_reference_and_grpo_resumes_exactly(tmp_path, tiny_policy_and_rm, prompts,
                                                                               pairs_file):
     """Step 0: the adapters-off reference equals the policy, so DPO's loss is exactly log 2 and the held-out KL 0;
-    GRPO with adapters resumes bit for bit and writes an adapter over its policy."""
+    GRPO with adapters resumes bit for bit and writes an adapter over its policy; PPO runs with them too."""
     DPO, GRPO = load_script("3-DPO.py"), load_script("3-GRPO.py")
     policy, rm = tiny_policy_and_rm
     pref = write_jsonl(tmp_path / "pref.jsonl", [{"prompt": p, "chosen": r, "rejected": "差"} for p, r in PAIRS])
@@ -147,6 +147,12 @@ def test_lora_dpo_and_grpo_start_as_their_reference_and_grpo_resumes_exactly(tmp
             == (tmp_path / "halves" / "adapter.safetensors").read_bytes())
     held = json.loads((tmp_path / "straight" / "config.json").read_text(encoding="utf-8"))["metrics"]["held_out"]
     assert held["sft"]["kl"] == 0.0
+
+    PPO = load_script("3-PPO.py")  # its critic, started from the RM, trains whole beside the policy's adapters
+    assert PPO.main(["--preset", "tiny", "--policy", str(policy), "--reward", str(rm), "--prompts_file", str(prompts),
+                     "--val_prompts_file", str(prompts), "--output_dir", str(tmp_path / "ppo"), "--max_steps", "2",
+                     "--max_new_tokens", "8", "--eval_examples", "4", "--lora_rank", "2"]) == 0
+    assert (tmp_path / "ppo" / "adapter.safetensors").is_file()
 
 
 @pytest.mark.slow
