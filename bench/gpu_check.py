@@ -54,7 +54,7 @@ SIZES = {
 }
 SECTIONS = ("pretrain", "decode", "pipeline", "tests")
 CODE = ("0-PRETRAIN.py", "1-SFT.py", "2-RM.py", "3-PPO.py", "3-DPO.py", "3-GRPO.py", "pipeline.py", "generate.py",
-        "load_weight.py", "chinese_tokenizer.py", "gpt_model.py", "plumbing")
+        "load_weight.py", "chinese_tokenizer.py", "gpt_model.py", "lora.py", "plumbing")
 
 
 class Check:

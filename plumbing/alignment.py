@@ -426,7 +426,7 @@ def load_policy_and_ref(args, tokenizer, device):
         UserError: a missing or wrong checkpoint, or another vocabulary.
     """
     policy, parent = load_backbone(args.policy, "--policy", tokenizer, "1-SFT.py")
-    if args.lora_rank:
+    if getattr(args, "lora_rank", None):
         add_lora(policy, args.lora_rank, args.lora_alpha, args.lora_targets, dropout=policy.cfg.drop_rate)
         return policy, parent, AdaptersOff(policy)
     ref = copy.deepcopy(policy)  # the SFT model as it is now, before --resume loads the trained policy
