@@ -159,8 +159,9 @@ def export_peft(args, model, tokenizer, config, chat: bool) -> int:
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(args.to_hf)}.tmp-", dir=parent)
     try:
+        # peft (AutoPeftModelForCausalLM) loads the base from this path as given: absolute, so from any folder
         save_peft_adapter(model.cfg, settings, adapters, os.path.join(tmp, "adapter"),
-                          base_model_name_or_path="../base")
+                          base_model_name_or_path=os.path.join(os.path.abspath(args.to_hf), "base"))
         written = save_hf_model(base, os.path.join(tmp, "base"), tokenizer, chat=chat)
         replace_dir(tmp, args.to_hf)
     except BaseException:

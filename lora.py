@@ -24,6 +24,7 @@ objects), it knows no files (adapter checkpoints are ``plumbing/checkpoint.py``'
 from __future__ import annotations
 
 import math
+import warnings
 from contextlib import contextmanager
 
 import torch
@@ -201,7 +202,12 @@ def add_lora(model, rank: int, alpha: float, targets=DEFAULT_TARGETS, dropout: f
         raise ValueError("the model has LoRA adapters already; merge them into the weights first (merge_lora)")
     for p in model.parameters():
         p.requires_grad_(False)
-    for parent, name in target_slots(model, targets):
+    slots = list(target_slots(model, targets))
+    smallest = min(min(getattr(parent, name).weight.shape) for parent, name in slots)
+    if rank > smallest:  # B A is (out, in): its rank cannot exceed min(out, in), the extra columns buy nothing
+        warnings.warn(f"LoRA rank {rank} exceeds the smallest adapted layer's {smallest} features: the update's "
+                      f"rank stays <= {smallest}; a full fine-tune costs less", stacklevel=2)
+    for parent, name in slots:
         setattr(parent, name, LoRALinear(getattr(parent, name), rank, alpha, dropout))
     return model
 

@@ -40,7 +40,7 @@ import torch
 from accelerate import PartialState
 
 from chinese_tokenizer import decode
-from lora import AdaptersOff, add_lora
+from lora import AdaptersOff, add_lora, trainable_parameters
 from plumbing.checkpoint import CHAT_STAGES, load_backbone, load_checkpoint, parent_meta, read_config, weights_digest
 from plumbing.cli import UserError, default_path, fill_defaults, positive_int
 from plumbing.devices import forked_rng
@@ -428,6 +428,8 @@ def load_policy_and_ref(args, tokenizer, device):
     policy, parent = load_backbone(args.policy, "--policy", tokenizer, "1-SFT.py")
     if getattr(args, "lora_rank", None):
         add_lora(policy, args.lora_rank, args.lora_alpha, args.lora_targets, dropout=policy.cfg.drop_rate)
+        print(f"LoRA rank {args.lora_rank} on {', '.join(args.lora_targets)}: {trainable_parameters(policy):,} of "
+              f"{sum(p.numel() for p in policy.parameters()):,} parameters train", flush=True)
         return policy, parent, AdaptersOff(policy)
     ref = copy.deepcopy(policy)  # the SFT model as it is now, before --resume loads the trained policy
     ref.requires_grad_(False).eval().to(device)

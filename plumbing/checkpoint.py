@@ -45,8 +45,9 @@ MODEL_TYPES = {"gpt": GPTModel, "reward": RewardModel}
 CHAT_STAGES = ("sft", "ppo", "dpo", "grpo", "hf-import-chat")
 
 
-def check_output_dir(output_dir: str, overwrite: bool, resume: bool) -> None:
+def check_output_dir(output_dir: str, overwrite: bool, resume: bool, flag: str = "--output_dir") -> None:
     """Fail early, before any work, if ``output_dir`` holds a checkpoint the user did not say to replace or resume.
+    ``flag`` is the argument the messages name (``load_weight.py --merge``, say).
 
     Raises:
         UserError: it exists without ``--overwrite``/``--resume``, or ``--resume`` finds no saved state.
@@ -62,9 +63,9 @@ def check_output_dir(output_dir: str, overwrite: bool, resume: bool) -> None:
     if exists and not overwrite:
         resume_it = "--resume to continue its saved state, " if resumable else ""
         raise UserError(f"{output_dir} already holds a checkpoint; pass --overwrite to replace it, {resume_it}"
-                        f"or choose another --output_dir")
+                        f"or choose another {flag}")
     if os.path.exists(output_dir) and not os.path.isdir(output_dir):
-        raise UserError(f"--output_dir {output_dir} is a file; choose a directory path")
+        raise UserError(f"{flag} {output_dir} is a file; choose a directory path")
 
 
 def file_sha256(path: str) -> str:
@@ -324,7 +325,7 @@ def merge_adapter_checkpoint(src: str, dst: str, overwrite: bool = False) -> Non
         UserError: ``src`` is not an adapter checkpoint, its base is missing or differs, or ``dst`` holds a
             checkpoint and ``overwrite`` is false.
     """
-    check_output_dir(dst, overwrite, resume=False)
+    check_output_dir(dst, overwrite, resume=False, flag="--merge")
     if "lora" not in read_config(src):
         raise UserError(f"{src} is not an adapter checkpoint (no {ADAPTER_FILE}): it is a full checkpoint already")
     model, tokenizer, config = load_checkpoint(src)

@@ -16,7 +16,7 @@ import threading
 
 from chinese_tokenizer import TokenizerError
 from gpt_model import PRESETS
-from lora import parse_targets
+from lora import DEFAULT_TARGETS, parse_targets
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -198,23 +198,32 @@ def add_lora_arguments(p) -> None:
                         "checkpoint then holds the adapters alone and names its base by path and sha256")
     p.add_argument("--lora_alpha", type=float,
                    help="the adapters' scale alpha; the update is (alpha / rank) B A (default: 2 x --lora_rank)")
-    p.add_argument("--lora_targets", default="W_query,W_value",
+    p.add_argument("--lora_targets",
                    help="which linear layers of each block get adapters, comma-separated from W_query, W_key, "
-                        "W_value, out_proj, ff.layers.0, ff.layers.2, or 'all' (default: %(default)s, the paper's)")
+                        "W_value, out_proj, ff.layers.0, ff.layers.2, or 'all' (default: W_query,W_value, the "
+                        "paper's)")
 
 
 def check_lora_arguments(args) -> None:
-    """Check the LoRA flags (``add_lora_arguments``) and fill ``--lora_alpha``; ``UserError`` names a bad value."""
+    """Check the LoRA flags (``add_lora_arguments``) and fill ``--lora_alpha`` and ``--lora_targets``.
+
+    Raises:
+        UserError: a bad value; ``--lora_alpha`` or ``--lora_targets`` without ``--lora_rank`` (they would be
+            ignored); ``--optimizer muon`` with a rank (Muon orthogonalises whole matrices, not adapters).
+    """
     if args.lora_rank is None:
-        if args.lora_alpha is not None:
-            raise UserError("--lora_alpha goes with --lora_rank; give a rank (e.g. --lora_rank 8) or drop it")
+        for flag in ("lora_alpha", "lora_targets"):
+            if getattr(args, flag) is not None:
+                raise UserError(f"--{flag} goes with --lora_rank; give a rank (e.g. --lora_rank 8) or drop it")
         return
+    if getattr(args, "optimizer", None) == "muon":
+        raise UserError("--optimizer muon updates whole weight matrices; with --lora_rank use --optimizer adamw")
     if args.lora_alpha is None:
         args.lora_alpha = 2.0 * args.lora_rank
     if not args.lora_alpha > 0:
         raise UserError(f"--lora_alpha {args.lora_alpha} must be > 0")
     try:
-        args.lora_targets = parse_targets(args.lora_targets)
+        args.lora_targets = DEFAULT_TARGETS if args.lora_targets is None else parse_targets(args.lora_targets)
     except ValueError as e:
         raise UserError(f"--lora_targets: {e}") from e
 

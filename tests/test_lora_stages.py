@@ -65,6 +65,27 @@ def test_ppo_critic_from_a_lora_policy_is_its_base_saying_zero():
     assert all(p.requires_grad for p in critic.parameters())
 
 
+@pytest.mark.parametrize("flags, named", [(["--lora_targets", "all"], "--lora_targets"),
+                                           (["--lora_alpha", "16"], "--lora_alpha"),
+                                           (["--lora_rank", "8", "--optimizer", "muon"], "--optimizer muon")])
+def test_lora_flags_that_would_be_ignored_or_crash_are_refused(flags, named):
+    """A LoRA flag without --lora_rank would be silently ignored, and Muon would take the adapters' matrices and
+    leave AdamW nothing: each is refused with one line naming the flag, before anything loads."""
+    from plumbing.cli import UserError
+
+    SFT = load_script("1-SFT.py")
+    with pytest.raises(UserError, match=named):
+        SFT.parse_args(["--preset", "tiny", *flags])
+    args = SFT.parse_args(["--preset", "tiny", "--lora_rank", "8"])  # the defaults: the paper's q and v, alpha 2r
+    assert args.lora_targets == ("att.W_query", "att.W_value") and args.lora_alpha == 16.0
+
+
+def test_a_rank_above_the_layers_width_is_warned_about():
+    cfg = GPTConfig(vocab_size=61, context_length=16, emb_dim=32, n_heads=4, n_layers=1, drop_rate=0.0)
+    with pytest.warns(UserWarning, match="exceeds the smallest adapted layer's 32 features"):
+        add_lora(GPTModel(cfg), rank=48, alpha=96.0)
+
+
 @pytest.fixture(scope="module")
 def pairs_file(tmp_path_factory):
     return write_jsonl(tmp_path_factory.mktemp("lora_pairs") / "pairs.jsonl",
@@ -168,6 +189,8 @@ def test_a_lora_checkpoint_leaves_as_a_peft_adapter_and_as_a_merged_checkpoint(l
     assert result.returncode == 0, result.stderr[-2000:]
     theirs = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tmp_path / "hf" / "base"),
                                        tmp_path / "hf" / "adapter").eval()
+    # the adapter names its base by absolute path, so peft's one-call loader finds it from any working directory
+    assert theirs.peft_config["default"].base_model_name_or_path == str(tmp_path / "hf" / "base")
     ids = torch.tensor([[0, 0, 101, 2769, 4263, 102], [101, 2769, 4263, 3300, 1962, 102]])
     for mask in (torch.tensor([[0, 0, 1, 1, 1, 1], [1] * 6]), torch.tensor([[1, 1, 1, 1, 0, 0], [1] * 6])):
         with torch.no_grad():
