@@ -31,8 +31,8 @@ Outputs under ``data_dir`` (JSON lines, UTF-8, one record per line):
   differences in Chinese-numeral digits, strings to reverse), generated from ``TASK_SEED`` with no problem in two
   splits (the demo's SFT does not learn them within its budget yet, so they are not in ``sft/``; ``tasks/sft.jsonl``
   holds the training problems as ``{"prompt","response"}`` pairs for an SFT that has the budget);
-* ``instructions/{train,val,test,sft}.jsonl``: the same for verifiable length instructions on the review prompts
-  (``answer`` the canonical form ``max_chars:20``; in ``sft.jsonl`` real reviews that keep them answer them);
+* ``instructions/`` and ``sentiment/`` ``{train,val,test,sft}.jsonl``: the same for length instructions on the
+  review prompts (``answer`` ``max_chars:20``; in ``sft.jsonl`` real reviews keep them) and a review's polarity;
 * ``MANIFEST.json``: sources (version, licence, sha256) and per-file counts and sha256.
 
 Every split of the sources is decided by a hash of the text (never by RNG order), and the verifiable tasks are drawn
@@ -139,8 +139,7 @@ def data_files(pretrain: dict, sft: dict, reviews: dict, tasks: dict, instructio
         **{f"tasks/{split}.jsonl": rows for split, rows in tasks.items()},
         # the training problems as SFT pairs, to mix into 1-SFT.py's --train_files by hand
         "tasks/sft.jsonl": [{"prompt": t["prompt"], "response": t["answer"]} for t in tasks["train"]],
-        **{f"instructions/{split}.jsonl": instructions[split] for split in ("train", "val", "test")},
-        "instructions/sft.jsonl": [{"prompt": p, "response": r} for p, r in instructions["sft"]],
+        **{f"{f}/{split}.jsonl": rows for f, splits in instructions.items() for split, rows in splits.items()},
     }
 
 
@@ -165,7 +164,7 @@ def build_all(data_dir: Path, cache_dir: Path, with_poetry: bool, log, rebuild_t
     families, convs, reviews = sft_families(archives)
     sft = split_sft(families)
     tasks = build_tasks()  # not in sft/ yet: the demo SFT does not learn them within its budget (bench/README.md)
-    instructions = build_instructions(reviews["ppo_reviews"])  # answered by reviews that answer no other prompt
+    instructions = build_instructions(reviews["ppo_reviews"], set(reviews["sft_units"]))  # reviews no prompt used
     files = data_files(pretrain, sft, reviews, tasks, instructions)
 
     # --- the RM test reviews must have no near-duplicate in any other file
@@ -180,7 +179,7 @@ def build_all(data_dir: Path, cache_dir: Path, with_poetry: bool, log, rebuild_t
         "definitions": len(families["definition"]), "xiehouyu": len(families["xiehouyu"]),
         "chat_questions": len(families["chat"]), "chat_conversations": len(convs), **reviews["counts"],
         "task_seed": TASK_SEED, **{f"tasks_{split}": len(rows) for split, rows in tasks.items()},
-        **{f"instructions_{split}": len(rows) for split, rows in instructions.items()},
+        **{f"{f}_{split}": len(rows) for f, splits in instructions.items() for split, rows in splits.items()},
     }
     manifest = {"build": expected_build(with_poetry), "sources": sources_meta, "source_counts": counts,
                 "rm_test_near_duplicates": near_duplicates}
@@ -201,8 +200,8 @@ class OneLineErrors(argparse.ArgumentParser):
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = OneLineErrors(
-        description="Download the pinned sources and build data/{tokenizer,pretrain,sft,rm,ppo,tasks,instructions} and "
-                    "MANIFEST.json.")
+        description="Download the pinned sources and build data/{tokenizer,pretrain,sft,rm,ppo,tasks,instructions,"
+                    "sentiment} and MANIFEST.json.")
     p.add_argument("--data_dir", type=Path, default=SCRIPT_DIR,
                    help="where the outputs go (default: the data/ folder holding this script)")
     p.add_argument("--cache_dir", type=Path, default=None,

@@ -346,10 +346,10 @@ def read_prompt_files(patterns, what: str) -> list:
 def read_tasks(patterns, what: str) -> list[dict]:
     """The verifiable problems in the files matching ``patterns`` (``data/tasks/*.jsonl``), in file order: rows
     ``{"prompt", "answer", "family"}``, every field a non-empty string, the family one that
-    ``verifiers.FAMILIES`` can check and an instruction's ``answer`` one ``verifiers.parse_instruction`` reads (a bad
-    one would otherwise surface only when the first answer is scored). Raises ``UserError`` naming the file and line
-    of a bad row, or a file with none."""
-    from plumbing.verifiers import FAMILIES, parse_instruction
+    ``verifiers.FAMILIES`` can check, an instruction's ``answer`` one ``verifiers.parse_instruction`` reads and a
+    sentiment's 正面 or 负面 (a bad one would otherwise surface only when the first answer is scored). Raises
+    ``UserError`` naming the file and line of a bad row, or a file with none."""
+    from plumbing.verifiers import FAMILIES, SENTIMENTS, parse_instruction
 
     tasks = []
     for path in expand_files(patterns, what):
@@ -365,6 +365,8 @@ def read_tasks(patterns, what: str) -> list[dict]:
                     parse_instruction(row["answer"])
                 except ValueError as exc:
                     raise UserError(f"{where}: {exc}") from None
+            if row["family"] == "sentiment" and row["answer"] not in SENTIMENTS:
+                raise UserError(f"{where}: a sentiment answer is {' or '.join(SENTIMENTS)}, got {row['answer']!r}")
             tasks.append({"prompt": row["prompt"], "answer": row["answer"], "family": row["family"]})
     return tasks
 

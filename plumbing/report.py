@@ -135,12 +135,29 @@ def held_out_section(metrics: dict, best_of_n: dict | None = None, times: dict |
     return lines + [""]
 
 
+# Per family of the verifiable path: the card's heading, an example, where the problems come from, what the strict
+# checker wants, what a gain means, and the pass rate of a blind guess where there is one (tasks.measure_tasks keys
+# the figures by family)
+SKILL_FAMILIES = {
+    "instruction": ("Review instructions on held-out limits", "“写一条不超过二十个字的好评。”",
+                    "whose limits no training instruction holds",
+                    "it ended with [SEP], keeps the limit, and reads as a review (8-120 characters, other Chinese "
+                    "characters than a repeated phrase)", "it learnt to keep limits it never trained on", None),
+    "sentiment": ("The sentiment of held-out reviews", "“这条评论是正面的还是负面的？“房间很干净，服务也好。””",
+                  "whose reviews are in no training prompt and no SFT answer, half 正面 (positive) and half 负面",
+                  "it ended with [SEP] and is the review's label, 正面 or 负面, and nothing else",
+                  "it learnt to tell the sentiment of reviews it never saw labelled", 0.5),
+}
+
+
 def skill_section(metrics: dict, times: dict | None = None) -> list[str]:
-    """Markdown lines: "A skill checked exactly", the verifiable path on the held-out review instructions. Rows SFT,
-    best-of-4 and best-of-16 by the verifier (pass@4 and pass@16 of the SFT model's 16 samples per problem), then
-    GRPO and PPO with the verifier (``metrics[stage]["tasks"]``), with greedy and sampled accuracy, KL, length, the
-    [SEP] share, and the RM score and judge of the answers to the problems that ask for a 好评 (``tasks.measure_tasks``
-    with a reward model); then one sentence per aligner on what its gain means. Nothing if no such stage ran."""
+    """Markdown lines: "A skill checked exactly", the verifiable path on its held-out problems, one table per family
+    (``SKILL_FAMILIES``) that the measurement holds. Rows SFT, best-of-4 and best-of-16 by the verifier (pass@4 and
+    pass@16 of the SFT model's 16 samples per problem), then GRPO and PPO with the verifier
+    (``metrics[stage]["tasks"]``), with greedy and sampled accuracy, KL, length, the [SEP] share, and for the
+    instructions the RM score and judge of the answers to the problems that ask for a 好评 (``tasks.measure_tasks``
+    with a reward model); under each table one sentence per aligner on what its gain means. Nothing if no such
+    stage ran."""
     ran = [stage for stage in TASK_ALIGNED if metrics.get(stage, {}).get("tasks")]
     if not ran:
         return []
@@ -151,50 +168,68 @@ def skill_section(metrics: dict, times: dict | None = None) -> list[str]:
     def pct(m, key):
         return f"{m[key]:.1%} ± {m[key + '_se']:.1%}" if key in m else "—"
 
-    def judged(m):
+    def judged(m, family):
         return (f"{m['rm_score']:.3f} ± {m['rm_score_se']:.3f}", f"{m['judge']:.3f} ± {m['judge_se']:.3f}") \
-            if "rm_score" in m else ("—", "—")
+            if "rm_score" in m and family == "instruction" else ("—", "—")
 
-    rows = [("SFT", pct(sft, "all_greedy"), pct(sft, "all_pass1"), "0", f"{sft['length']:.1f}",
-             f"{sft['eos_share']:.0%}", *judged(sft), "—")]
-    for k in (4, 16):
-        rows.append((f"best-of-{k} (SFT + verifier)", "—", pct(sft, f"all_pass{k}"), f"≤ {best_of_n_kl(k):.2f}",
-                     "—", "—", "—", "—", "—"))
-    sentences = []
-    for stage in ran:
-        name = stage.split("-")[0]
-        m = metrics[stage]["tasks"][name]
-        rows.append((f"{name.upper()} (verifier)", pct(m, "all_greedy"), pct(m, "all_pass1"),
-                     f"{m['kl']:.2f} ± {m['kl_se']:.2f}", f"{m['length']:.1f}", f"{m['eos_share']:.0%}",
-                     *judged(m), f"{times[stage]:.0f} s" if stage in times else "—"))
-        gain, se = m["all_pass1"] - sft["all_pass1"], math.hypot(m["all_pass1_se"], sft["all_pass1_se"])
-        flag = metrics[stage].get("reward_hacking")
-        if se == 0:  # every problem scored alike (the tiny preset's smoke test): nothing to weigh the gain against
-            sentences.append(f"- {name.upper()} with the verifier: sampled pass@1 {sft['all_pass1']:.1%} → "
-                             f"{m['all_pass1']:.1%}, with no spread across problems to tell a gain from chance.")
-            continue
-        sentences.append(
-            f"- {name.upper()} with the verifier: sampled pass@1 {sft['all_pass1']:.1%} → {m['all_pass1']:.1%}, "
-            + (f"**{gain * 100:+.1f} points, {gain / se:.1f} standard errors**: it learnt to keep limits it never "
-               f"trained on" if gain > 3 * se else f"{gain * 100:+.1f} points ({gain / se:.1f} standard errors): "
-               f"RL gained nothing that this measurement can tell from chance")
-            + f", at KL {m['kl']:.2f} nats per response." + (f" **{flag}**" if flag else ""))
-    lines = ["## A skill checked exactly: review instructions on held-out limits", "",
-             f"{settings['problems']} held-out problems such as “写一条不超过二十个字的好评。”, whose limits no "
-             f"training instruction holds (`data/instructions/test.jsonl`). An answer is right when the strict "
-             f"checker accepts it: it ended with [SEP], keeps the limit, and reads as a review (8-120 characters, "
-             f"other Chinese characters than a repeated phrase; `plumbing/verifiers.py`). Greedy: one answer per "
-             f"problem; sampled pass@1: {settings['samples']} answers per problem at temperature "
-             f"{settings['temperature']:g} ({settings['sft_samples']} for SFT), up to {settings['max_new_tokens']} "
-             f"tokens; ± one standard error over problems. Best-of-k trains nothing: it is pass@k of the SFT "
-             f"model's samples, the verifier picking a right one when there is one, and its KL is the bound "
-             f"log k - (k - 1)/k at most. RM score and judge, as in the table above: the first "
-             f"{settings.get('rm_samples', '?')} sampled answers of each of the {int(sft.get('praise_problems', 0))} "
-             f"problems that ask for a 好评 (both score how positive a review is, so on a 差评 the higher score "
-             f"would be the worse answer): keeping a limit must not be bought with worse reviews.", "",
-             markdown_table(("model", "greedy", "sampled pass@1", "KL", "mean length", "ends with [SEP]", "RM score",
-                             "judge", "wall time"), rows).rstrip("\n"), ""]
-    return lines + sentences + [""]
+    def table(f):  # f: the family's key prefix
+        rows = [("SFT", pct(sft, f + "greedy"), pct(sft, f + "pass1"), "0", f"{sft[f + 'length']:.1f}",
+                 f"{sft[f + 'eos_share']:.0%}", *judged(sft, f[:-1]), "—")]
+        for k in (4, 16):
+            rows.append((f"best-of-{k} (SFT + verifier)", "—", pct(sft, f"{f}pass{k}"), f"≤ {best_of_n_kl(k):.2f}",
+                         "—", "—", "—", "—", "—"))
+        sentences = []
+        for stage in ran:
+            name = stage.split("-")[0]
+            m = metrics[stage]["tasks"][name]
+            rows.append((f"{name.upper()} (verifier)", pct(m, f + "greedy"), pct(m, f + "pass1"),
+                         f"{m[f + 'kl']:.2f} ± {m[f + 'kl_se']:.2f}", f"{m[f + 'length']:.1f}",
+                         f"{m[f + 'eos_share']:.0%}", *judged(m, f[:-1]),
+                         f"{times[stage]:.0f} s" if stage in times else "—"))
+            gain, se = m[f + "pass1"] - sft[f + "pass1"], math.hypot(m[f + "pass1_se"], sft[f + "pass1_se"])
+            flag = metrics[stage].get("reward_hacking")
+            if se == 0:  # every problem scored alike (the tiny preset's smoke test): nothing to weigh the gain with
+                sentences.append(f"- {name.upper()} with the verifier: sampled pass@1 {sft[f + 'pass1']:.1%} → "
+                                 f"{m[f + 'pass1']:.1%}, with no spread across problems to tell a gain from chance.")
+                continue
+            learnt, guess = SKILL_FAMILIES[f[:-1]][4:]
+            if guess is not None and m[f + "pass1"] - guess <= 3 * m[f + "pass1_se"]:  # no better than guessing
+                learnt = (f"the answers took the right form, but they are no better than a blind guess "
+                          f"({guess:.0%})")
+            sentences.append(
+                f"- {name.upper()} with the verifier: sampled pass@1 {sft[f + 'pass1']:.1%} → {m[f + 'pass1']:.1%}, "
+                + (f"**{gain * 100:+.1f} points, {gain / se:.1f} standard errors**: {learnt}" if gain > 3 * se
+                   else f"{gain * 100:+.1f} points ({gain / se:.1f} standard errors): RL gained nothing that this "
+                        f"measurement can tell from chance")
+                + f", at KL {m[f + 'kl']:.2f} nats per response." + (f" **{flag}**" if flag else ""))
+        return markdown_table(("model", "greedy", "sampled pass@1", "KL", "mean length", "ends with [SEP]",
+                               "RM score", "judge", "wall time"), rows).rstrip("\n"), sentences
+
+    families = [family for family in SKILL_FAMILIES if f"{family}_pass1" in sft]
+    lines = ["## A skill checked exactly", "",
+             f"GRPO and PPO rewarded by a program instead of the RM (`--verifier exact`, `plumbing/verifiers.py`), "
+             f"measured on {settings['problems']} held-out problems (the pipeline's: `data/instructions/test.jsonl`), "
+             f"a table per family below. An answer is right when the strict checker "
+             f"accepts it. Greedy: one answer per problem; sampled pass@1: {settings['samples']} answers per "
+             f"problem at temperature {settings['temperature']:g} ({settings['sft_samples']} for SFT), up to "
+             f"{settings['max_new_tokens']} tokens; ± one standard error over problems. Best-of-k trains nothing: "
+             f"it is pass@k of the SFT model's samples, the verifier picking a right one when there is one, and its "
+             f"KL is the bound log k - (k - 1)/k at most. KL, mean length (tokens) and [SEP] share are the "
+             f"family's own; the wall time is the whole stage's.", ""]
+    for family in families:
+        heading, example, held_out, right, _, guess = SKILL_FAMILIES[family]
+        rows, sentences = table(family + "_")
+        count = f"{int(sft[family + '_problems'])} " if family + "_problems" in sft else ""
+        judge_note = (f" RM score and judge, as in the table above: the first {settings.get('rm_samples', '?')} "
+                      f"sampled answers of each of the {int(sft.get('praise_problems', 0))} problems that ask for a "
+                      f"好评 (both score how positive a review is, so on a 差评 the higher score would be the worse "
+                      f"answer): keeping a limit must not be bought with worse reviews."
+                      if family == "instruction" and "rm_score" in sft else "")
+        lines += [f"### {heading}", "",
+                  f"{count}held-out problems such as {example}, {held_out}. Right: {right}."
+                  + (f" A blind guess scores {guess:.0%}." if guess is not None else "") + judge_note, "",
+                  rows, ""] + sentences + [""]
+    return lines
 
 
 def aligned_summary(stage: str, metrics: dict, fmt, first_row: dict | None = None) -> str:
@@ -210,13 +245,17 @@ def aligned_summary(stage: str, metrics: dict, fmt, first_row: dict | None = Non
 
 
 def task_summary(stage: str, metrics: dict) -> str:
-    """The stage table's cell for a stage of the verifiable path: held-out sampled pass@1 and greedy accuracy, SFT
-    -> the stage, and KL."""
+    """The stage table's cell for a stage of the verifiable path: held-out sampled pass@1 per family and over all,
+    SFT -> the stage, greedy over all, and KL."""
     tasks, name = metrics.get("tasks", {}), stage.split("-")[0]
     sft, aligned = tasks.get("sft", {}), tasks.get(name, {})
-    return (f"held-out review instructions: sampled pass@1 {fmt(sft.get('all_pass1'), '.1%')} (SFT) → "
-            f"{fmt(aligned.get('all_pass1'), '.1%')}, greedy {fmt(sft.get('all_greedy'), '.1%')} → "
-            f"{fmt(aligned.get('all_greedy'), '.1%')}, KL {fmt(metrics.get('kl'), '.2f')} nats/response")
+    families = "".join(f"{family} {fmt(sft.get(family + '_pass1'), '.1%')} → "
+                       f"{fmt(aligned.get(family + '_pass1'), '.1%')}, "
+                       for family in SKILL_FAMILIES if family + "_pass1" in sft)
+    return (f"held-out problems: sampled pass@1 (SFT → {name.upper()}) {families}all "
+            f"{fmt(sft.get('all_pass1'), '.1%')} → {fmt(aligned.get('all_pass1'), '.1%')}; greedy "
+            f"{fmt(sft.get('all_greedy'), '.1%')} → {fmt(aligned.get('all_greedy'), '.1%')}, KL "
+            f"{fmt(metrics.get('kl'), '.2f')} nats/response")
 
 
 def achieved_flops(config: dict, rows) -> str:

@@ -93,9 +93,11 @@ def measure_tasks(policy, ref, tasks, tokenizer, samples: int, max_new_tokens: i
     Returns:
         (monitors, examples). monitors, flat floats, for each scope in ("all", *FAMILIES): ``{scope}_greedy``,
         ``{scope}_pass1`` (the mean over the samples), ``{scope}_pass{k}`` for k in 4, 16 up to ``samples``, each
-        with ``_se`` (the standard error over problems, the unit of independence), and ``{scope}_lax`` (the sampled
-        answers that merely contain the answer); over all: ``kl`` and ``kl_se`` (nats per response, from the first
-        sample of each problem against ``ref``; exactly 0 when the two are the same weights), ``length`` (tokens),
+        with ``_se`` (the standard error over problems, the unit of independence), ``{scope}_lax`` (the sampled
+        answers that merely contain the answer), ``{scope}_problems``, ``{scope}_length`` (tokens),
+        ``{scope}_eos_share`` and ``{scope}_kl`` with ``_se``; over all again without the prefix: ``kl`` and
+        ``kl_se`` (nats per response, from the first sample of each problem against ``ref``; exactly 0 when the two
+        are the same weights), ``length`` (tokens),
         ``eos_share``, ``empty_share``, ``problems``, ``samples``; given ``reward_model`` and ``judge``
         (``judge.SentimentJudge``) and problems that ``asks_for_praise``: ``rm_score``, ``judge`` (P(positive)), each
         with ``_se`` over those problems (the mean of their first ``RM_SAMPLES`` sampled answers each), and
@@ -193,6 +195,11 @@ def _measure(policy, ref, tasks, tokenizer, samples, max_new_tokens, context_len
             monitors[f"{scope}_{name}"], se = mean_and_se(values)
             if name != "lax":
                 monitors[f"{scope}_{name}_se"] = se
+        monitors[f"{scope}_problems"] = float(len(rows))
+        answers = [i * samples + j for i in rows for j in range(samples)]  # the scope's sampled rows
+        monitors[f"{scope}_length"] = sum(lengths[r] for r in answers) / len(answers)
+        monitors[f"{scope}_eos_share"] = sum(ended_all[r] for r in answers) / len(answers)
+        monitors[f"{scope}_kl"], monitors[f"{scope}_kl_se"] = mean_and_se([kl[i] for i in rows])
     monitors["kl"], monitors["kl_se"] = mean_and_se(kl)
     monitors.update(length=sum(lengths) / len(lengths), eos_share=sum(ended_all) / len(ended_all),
                     empty_share=sum(empty) / len(empty), problems=float(len(tasks)), samples=float(samples))

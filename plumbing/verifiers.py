@@ -21,7 +21,10 @@ instruction has no one answer: its checker wants the whole response to keep the 
     ``check_instruction`` also wants a real review, so that no degenerate answer passes: 8-120 characters, at least
     ``MIN_OTHER_CHARS`` different Chinese characters besides the argument, and at least half of its character
     pairs different (distinct-2 >= 0.5): the word alone, the word repeated, or a loop of a phrase fail; an answer
-    that never ends gets 0 from every verifier.
+    that never ends gets 0 from every verifier;
+  - ``sentiment``: whether a quoted review is 正面 (positive) or 负面 (negative), the review corpus's label (Pang
+    et al. 2002's polarity task); the answer is the two characters alone, so "正面负面" or "正面。" are wrong, and
+    the held-out problems are half of each, so answering always one of them scores 50%.
 * ``check(family, response, answer)``: the strict checker by family; ``contains`` is the deliberately lax one (the
   answer appears anywhere in the response), kept to show what a lax verifier invites (tests/test_verifiers.py).
 * ``VERIFIERS``: the verifiers a stage takes by name (``--verifier``): ``exact`` (strict) and ``contains`` (lax).
@@ -33,7 +36,8 @@ rewarded like one that adds; only accuracy on held-out problems, never seen in a
 from __future__ import annotations
 
 CHINESE_DIGITS = "〇一二三四五六七八九"
-FAMILIES = ("arithmetic", "reverse", "instruction")
+FAMILIES = ("arithmetic", "reverse", "instruction", "sentiment")
+SENTIMENTS = ("正面", "负面")
 INSTRUCTION_KINDS = ("max_chars", "min_chars", "mention", "begin")
 ANSWER_CHARS = (8, 120)  # a constrained review's length in characters: the review corpus's own bounds
 MIN_OTHER_CHARS = 4  # different Chinese characters a review must hold besides the instruction's argument
@@ -65,6 +69,11 @@ def check_arithmetic(response: str, answer: str) -> bool:
 def check_reverse(response: str, answer: str) -> bool:
     """Right when ``response`` is exactly the reversed string ``answer``."""
     return response == answer
+
+
+def check_sentiment(response: str, answer: str) -> bool:
+    """Right when ``response`` is exactly the label ``answer``, 正面 or 负面 (``SENTIMENTS``)."""
+    return response == answer and answer in SENTIMENTS
 
 
 def looks_like_a_review(response: str, argument: str = "") -> bool:
@@ -105,7 +114,8 @@ def check_instruction(response: str, answer: str) -> bool:
     return keeps(response, kind, argument) and looks_like_a_review(response, written)
 
 
-CHECKERS = {"arithmetic": check_arithmetic, "reverse": check_reverse, "instruction": check_instruction}
+CHECKERS = {"arithmetic": check_arithmetic, "reverse": check_reverse, "instruction": check_instruction,
+            "sentiment": check_sentiment}
 
 
 def check(family: str, response: str, answer: str) -> bool:

@@ -82,6 +82,10 @@ PINNED_SHA256 = {
     "rm/test.jsonl": "435e5def17d299b4fa8e6d570dab2f68c16b9379153bce8349d9051931722ae3",
     "rm/train.jsonl": "3e35181e0549eed95f0db3d79df70dc1785000962d909f43464136c998ad25f0",
     "rm/val.jsonl": "7e67263bf47694e6bf38405ab5059e3131606ca65f50490aa1c96b34518de471",
+    "sentiment/sft.jsonl": "9b4845745c180cd5a6c6e6115a682e92a0ffb3224e52ca57f1b5b8498cf00cea",
+    "sentiment/test.jsonl": "cfbe0bce51e0dd9e0a2c5c13f414b1e447f64f52adf1cb8b51d37ab7b3709e59",
+    "sentiment/train.jsonl": "3bee1118f30e91298da2c3db1157254ac8c7969bf5f8130c8f238153b2b8382e",
+    "sentiment/val.jsonl": "2f9b34c81939eb5b4f186ad6a20192785203110e6ded56b7d01fbc1c189a0c58",
     "sft/train.jsonl": "d1c227b00ebdd020ac15ed416a24add2870844fda62e95b7878e46fb10588a68",
     "sft/val.jsonl": "198f7cb8611485c7fb6e2e32440acb981a922cb7cf61a23d0795dbf517dc766e",
     "tasks/sft.jsonl": "2ae3bfc4c75af9b9927c78c227f9418ea3a516088906e402a16552275976df55",
@@ -231,6 +235,40 @@ def test_the_review_instructions_hold_out_their_limits_and_answer_with_real_revi
         instruction = ("min_chars:" if "少" in row["prompt"] else "max_chars:") + str(limit)
         assert instruction not in held_out and check("instruction", row["response"], instruction), row
         assert row["response"] not in rm_held_out and row["response"] not in sft_responses, row
+
+
+def test_the_sentiment_problems_are_balanced_and_their_reviews_never_seen_labelled(built):
+    """The sentiment family: 500 test problems, half 正面 and half 负面; the review of a held-out problem is in no
+    training problem, no SFT example of either family and no SFT answer, not even up to punctuation and case
+    (``splits.near_dup_form``); each problem's answer is its review's label in the review corpus."""
+    from prep.splits import near_dup_form
+
+    def review(prompt):  # the quoted review: the prompt without its template's words
+        for template in instructions.SENTIMENT_TEMPLATES:
+            head, tail = template.split("{r}")
+            if prompt.startswith(head) and prompt.endswith(tail):
+                return prompt[len(head):len(prompt) - len(tail)]
+        raise AssertionError(f"no template gives {prompt!r}")
+
+    rows = {split: read_jsonl(built / f"sentiment/{split}.jsonl") for split in ("test", "val", "train")}
+    assert all(r["family"] == "sentiment" for problems in rows.values() for r in problems)
+    assert len(rows["test"]) == 500 and len(rows["val"]) >= 100 and len(rows["train"]) >= 400
+    for split, problems in rows.items():
+        assert sum(r["answer"] == "正面" for r in problems) * 2 == len(problems), split
+    labelled = read_jsonl(built / "sentiment/sft.jsonl")
+    assert len(labelled) >= 400 and all(r["response"] in ("正面", "负面") for r in labelled)
+    train_forms = {near_dup_form(review(r["prompt"])) for r in rows["train"] + labelled}
+    answers = {near_dup_form(r["response"]) for rel in ("sft/train.jsonl", "sft/val.jsonl", "instructions/sft.jsonl")
+               for r in read_jsonl(built / rel)}
+    for problem in rows["test"] + rows["val"]:
+        form = near_dup_form(review(problem["prompt"]))
+        assert form not in train_forms and form not in answers, problem
+    # the label is the corpus's: the RM's training pairs (positive lines chosen, negative rejected, zipped, so the
+    # longer list's tail is left out) hold most training reviews
+    rm = read_jsonl(built / "rm/train.jsonl")
+    label = {**{r["chosen"]: "正面" for r in rm}, **{r["rejected"]: "负面" for r in rm}}
+    found = [p for p in rows["test"] if review(p["prompt"]) in label]
+    assert len(found) >= 400 and all(label[review(p["prompt"])] == p["answer"] for p in found)
 
 
 def test_second_run_is_fast_and_changes_nothing(built):

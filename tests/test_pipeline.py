@@ -55,9 +55,14 @@ def test_held_out_section_with_one_stage_and_no_best_of_n():
     assert report.held_out_section({"ppo": {}}) == []  # checkpoints from before the monitors
 
 
-def task_monitors(pass1, pass1_se, greedy=0.1, kl=0.0, **more):
-    return {"all_greedy": greedy, "all_greedy_se": 0.01, "all_pass1": pass1, "all_pass1_se": pass1_se,
-            "kl": kl, "kl_se": 0.1, "length": 25.0, "eos_share": 0.95, **more}
+def task_monitors(pass1, pass1_se, greedy=0.1, kl=0.0, families=("instruction",), **more):
+    """Monitors as tasks.measure_tasks writes them, the same figures for "all" and for each of ``families``."""
+    out = {}
+    for scope in ("all", *families):
+        out.update({f"{scope}_greedy": greedy, f"{scope}_greedy_se": 0.01, f"{scope}_pass1": pass1,
+                    f"{scope}_pass1_se": pass1_se, f"{scope}_kl": kl, f"{scope}_kl_se": 0.1,
+                    f"{scope}_length": 25.0, f"{scope}_eos_share": 0.95, f"{scope}_problems": 500.0})
+    return {**out, "kl": kl, "kl_se": 0.1, "length": 25.0, "eos_share": 0.95, **more}
 
 
 def test_skill_section_rows_and_what_each_gain_means():
@@ -65,8 +70,8 @@ def test_skill_section_rows_and_what_each_gain_means():
     points over standard errors 1.0 and 1.2 is hypot(1.0, 1.2) = 1.56 points of error, 7.7 of them; PPO's +1 point
     over the same errors is 0.6 of them: nothing learnt, and said so."""
     judged = {k: MONITORS[k] for k in ("rm_score", "rm_score_se", "judge", "judge_se")}
-    sft = task_monitors(0.50, 0.010, greedy=0.12, all_pass4=0.8, all_pass4_se=0.01, all_pass16=0.95,
-                        all_pass16_se=0.005, praise_problems=250.0, **judged)
+    sft = task_monitors(0.50, 0.010, greedy=0.12, instruction_pass4=0.8, instruction_pass4_se=0.01,
+                        instruction_pass16=0.95, instruction_pass16_se=0.005, praise_problems=250.0, **judged)
     settings = {"problems": 500, "samples": 8, "sft_samples": 16, "temperature": 1.0, "max_new_tokens": 64,
                 "rm_samples": 4}
     grpo = task_monitors(0.62, 0.012, greedy=0.8, kl=1.76, **{**judged, "rm_score": 0.4})
@@ -86,12 +91,40 @@ def test_skill_section_rows_and_what_each_gain_means():
     assert "| 200 s |" in text and "| PPO (verifier) | 10.0% ± 1.0% | 51.0% ± 1.2% | 0.20 ± 0.10 |" in text
     assert "50.0% → 62.0%, **+12.0 points, 7.7 standard errors**" in text
     assert "+1.0 points (0.6 standard errors): RL gained nothing" in text
-    assert "500 held-out problems" in text and "the first 4 sampled answers of each of the 250 problems" in text
+    assert "500 held-out problems such as" in text and "the first 4 sampled answers of each of the 250 problems" in text
     assert "| PPO (verifier) | 10.0% ± 1.0% | 51.0% ± 1.2% | 0.20 ± 0.10 | 25.0 | 95% | — | — | — |" in text
+    assert "### The sentiment" not in text  # a family the measurement does not hold gets no table
     assert report.skill_section({"grpo": {"held_out": {}}}) == []  # no verifiable stage ran
     flat = {"grpo-tasks": {"tasks": {"sft": task_monitors(0.0, 0.0), "grpo": task_monitors(0.0, 0.0)},
                            "task_settings": settings, "reward_hacking": ""}}
     assert "no spread across problems" in "\n".join(report.skill_section(flat))  # the tiny preset: every SE 0
+
+
+def test_skill_section_gives_each_family_its_own_table_and_figures():
+    """Two families: a table each, from the family's own keys (its KL, length and [SEP] share, not the overall
+    ones); the RM score and the judge only beside the instructions, whose 好评 problems they can rank."""
+    judged = {k: MONITORS[k] for k in ("rm_score", "rm_score_se", "judge", "judge_se")}
+    both = ("instruction", "sentiment")
+    sft = {**task_monitors(0.50, 0.010, families=both, **judged), "sentiment_pass1": 0.48, "sentiment_length": 2.4,
+           "sentiment_eos_share": 0.9}
+    grpo = {**task_monitors(0.55, 0.012, kl=1.5, families=both, **judged), "sentiment_pass1": 0.60,
+            "sentiment_kl": 0.4, "sentiment_length": 2.0, "sentiment_eos_share": 1.0}
+    settings = {"problems": 1000, "samples": 4, "sft_samples": 16, "temperature": 1.0, "max_new_tokens": 64}
+    text = "\n".join(report.skill_section({"grpo-tasks": {"tasks": {"sft": sft, "grpo": grpo},
+                                                          "task_settings": settings, "reward_hacking": ""}}))
+    instructions, sentiment = text.split("### Review instructions")[1].split("### The sentiment")
+    assert "| GRPO (verifier) | 10.0% ± 1.0% | 55.0% ± 1.2% | 1.50 ± 0.10 | 25.0 | 95% | 0.500 ± 0.100 |" \
+        in instructions
+    assert "| SFT | 10.0% ± 1.0% | 48.0% ± 1.0% | 0 | 2.4 | 90% | — | — | — |" in sentiment
+    assert "| GRPO (verifier) | 10.0% ± 1.0% | 60.0% ± 1.2% | 0.40 ± 0.10 | 2.0 | 100% | — | — | — |" in sentiment
+    assert "48.0% → 60.0%, **+12.0 points, 7.7 standard errors**: it learnt to tell the sentiment" in sentiment
+    assert "A blind guess scores 50%." in sentiment and "blind guess" not in instructions
+    # a gain that only reaches the guess (SFT answers out of form, RL fixes the form) is said to be no more
+    grpo.update(sentiment_pass1=0.52)  # 52% ± 1.2%: within 3 standard errors of 50%
+    text = "\n".join(report.skill_section({"grpo-tasks": {"tasks": {"sft": {**sft, "sentiment_pass1": 0.25},
+                                                                    "grpo": grpo},
+                                                          "task_settings": settings, "reward_hacking": ""}}))
+    assert "25.0% → 52.0%, **+27.0 points" in text and "no better than a blind guess (50%)" in text
 
 
 def test_export_section_names_the_best_unflagged_aligner_and_the_rm():

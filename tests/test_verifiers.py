@@ -91,6 +91,27 @@ def test_a_malformed_instruction_is_refused(instruction):
         verifiers.check("instruction", REVIEW, instruction)
 
 
+@pytest.mark.parametrize("response, right", [
+    ("正面", True),
+    ("负面", False),  # the other label
+    ("正面负面", False), ("负面正面", False),  # both labels, to farm a lax checker
+    ("正面正面", False), ("正面。", False), ("是正面", False), (" 正面", False),  # more than the label
+    ("好", False), ("", False),  # less
+])
+def test_the_sentiment_checker_wants_the_label_alone(response, right):
+    assert verifiers.check("sentiment", response, "正面") is right
+
+
+def test_a_sentiment_answer_that_never_ends_gets_no_reward(tokenizer):
+    """The label cut off before [SEP] (an answer that runs to the token limit), both labels, or the label repeated
+    get 0 from the verifier; the label alone, ended, gets 1."""
+    from plumbing.tasks import verifier_reward
+
+    task = {"prompt": "这条评论是正面的还是负面的？“房间很干净。”", "answer": "正面", "family": "sentiment"}
+    data = rollout_data(tokenizer, ["正面", "正面", "正面负面", "正面正面正面"], [True, False, True, True])
+    assert verifier_reward("exact", tokenizer)([task] * 4, data).tolist() == [1.0, 0.0, 0.0, 0.0]
+
+
 def test_the_lax_checker_accepts_what_the_strict_one_refuses():
     assert verifiers.contains("arithmetic", "六三一六三二六三三", "六三二")
     assert not verifiers.check("arithmetic", "六三一六三二六三三", "六三二")
@@ -101,6 +122,7 @@ def test_the_lax_checker_accepts_what_the_strict_one_refuses():
     ({"prompt": "写一条好评。", "answer": "size:3", "family": "instruction"}, "not an instruction: 'size:3'"),
     ({"prompt": "写一条好评。", "answer": "max_chars:二十", "family": "instruction"}, "not an instruction"),
     ({"prompt": "一加一", "answer": "二", "family": "sums"}, "family 'sums' has no checker"),
+    ({"prompt": "“很好。”是正面的还是负面的？", "answer": "好评", "family": "sentiment"}, "正面 or 负面, got '好评'"),
 ])
 def test_a_bad_problem_is_refused_when_the_file_is_read(tmp_path, row, message):
     """A problem no checker can score is a one-line error naming its file and line when the file is read, not a
@@ -240,6 +262,12 @@ def test_the_rm_and_the_judge_read_only_the_answers_to_praise(tokenizer):
         text = tokenizer.decode(tokenizer.encode(wanted["prompt"], add_special_tokens=False))
         assert sum(text in p for p in seen_prompts) == per_problem
     assert (monitors["rm_score"], monitors["rm_score_se"], monitors["judge"]) == (2.0, 0.0, 0.25)
+    # each family's own length and [SEP] share, over its problems' samples: together they make the overall ones
+    assert (monitors["instruction_problems"], monitors["arithmetic_problems"]) == (3, 1)
+    for key in ("length", "eos_share"):
+        overall = (3 * monitors[f"instruction_{key}"] + monitors[f"arithmetic_{key}"]) / 4
+        assert math.isclose(monitors[key], overall) and monitors[f"all_{key}"] == monitors[key]
+    assert monitors["instruction_kl"] == monitors["arithmetic_kl"] == 0.0  # the policy is its own reference
     sft = {"all_pass1": 0.5, "all_lax": 0.5, "empty_share": 0.0, "eos_share": 0.9, "length": 20.0, "kl": 0.0,
            "rm_score": 1.0, "rm_score_se": 0.05, "judge": 0.6, "judge_se": 0.02}
     assert "worse reviews: the RM score" in task_hacking_flag(sft, {**sft, "rm_score": 0.8, "kl": 1.0}, 3.0)

@@ -12,14 +12,21 @@ or to begin with a phrase wrote it in under 1% of its samples (copying from the 
 pipeline's budget, and RL cannot reinforce what it never samples); asked for "at least N" beside "at most N", its
 answers were as long whatever the kind and the limit, and GRPO could only trade one kind for the other. "At most N"
 with N from 10 to 60 it keeps about half the time, problem by problem spread out (short limits rarely, long ones
-mostly), and GRPO teaches it to keep them on held-out limits."""
+mostly), and GRPO teaches it to keep them on held-out limits.
+
+The second family (``build_sentiment``, written to ``sentiment/``) asks whether a review it quotes is 正面 or 负面
+(positive or negative): the review-polarity task of Pang et al. 2002 as a verifiable problem, the label the corpus's.
+Its held-out reviews are in no training prompt and in no SFT answer (nor a near-duplicate of one: the same text up
+to punctuation and case). It avoids the words 好评/差评, which in the other prompts ask for a review to be written.
+It is not in the pipeline: mixed into the pipeline's SFT and verifiable GRPO it cost minutes the budget does not
+have and taught little beyond the answer's form (bench/README.md, "A second family")."""
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
 
-from prep.splits import hash_sorted, pick, unit_hash
+from prep.splits import hash_sorted, near_dup_form, pick, unit_hash
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root, for plumbing/verifiers.py
 
@@ -37,6 +44,11 @@ SLACK = 10  # an SFT example's limit is at most this many characters from its re
 HELD_OUT_LIMITS = {"test": 25, "val": 8}  # limits per kind kept out of training: 25 x 20 prompts = the card's 500
 SFT_EXAMPLES = 1500  # SFT examples per kind, at most
 
+SENTIMENT_TEMPLATES = ["这条评论是正面的还是负面的？“{r}”", "判断这条评论的态度，正面还是负面：{r}",
+                       "“{r}”——这条评论是正面还是负面？", "下面这条评论是正面的还是负面的？{r}"]
+POLARITY = {True: "正面", False: "负面"}  # not 好评/差评: those words ask for a review in the other prompts
+SENTIMENT_LENGTHS = (8, 60)  # characters of a quoted review: the prompt stays short, the answer is two characters
+SENTIMENT_SPLITS = {"test": 500, "val": 100, "train": 400, "sft": 1000}  # reviews per split, in this order
 
 DIGITS = "零一二三四五六七八九"
 
@@ -81,9 +93,35 @@ def sft_pairs(reviews: list[tuple[str, bool]], train_limits: dict[str, list[int]
     return out
 
 
-def build_instructions(reviews: list[tuple[str, bool]]) -> dict:
-    """The instruction family: ``{"test", "val", "train": [{"prompt", "answer", "family"}], "sft": [(prompt,
-    response)]}``.
+def build_sentiment(reviews: list[tuple[str, bool]], seen: set[str]) -> dict:
+    """The sentiment family: ``{"test", "val", "train": [{"prompt", "answer", "family"}], "sft": [(prompt,
+    answer)]}``, ``SENTIMENT_SPLITS`` reviews each, taken in hash order from ``reviews`` ((review, positive?) pairs)
+    of ``SENTIMENT_LENGTHS`` characters. A review whose near-duplicate form (``near_dup_form``) is in ``seen`` (the
+    answers of other SFT examples) never goes to a held-out split, nor does one sharing its form with a training
+    review of this family: its label would have been shown in training."""
+    lo, hi = SENTIMENT_LENGTHS
+    usable = hash_sorted([(r, good) for r, good in reviews if lo <= len(r) <= hi], "sentiment-split",
+                         key=lambda x: x[0])
+    seen_forms, out = {near_dup_form(r) for r in seen}, {split: [] for split in SENTIMENT_SPLITS}
+    for split, n in SENTIMENT_SPLITS.items():  # held-out splits first, then the training ones
+        taken = dict.fromkeys(POLARITY, 0)  # half each: always answering one of them scores 50%
+        for review, good in usable:
+            form = near_dup_form(review)
+            if taken[good] < n // 2 and form not in seen_forms:
+                seen_forms.add(form)  # one review per form across all splits
+                taken[good] += 1
+                out[split].append((pick(SENTIMENT_TEMPLATES, review, "sentiment-template").format(r=review),
+                                   POLARITY[good]))
+    problems = {split: [{"prompt": p, "answer": a, "family": "sentiment"} for p, a in out[split]]
+                for split in ("test", "val", "train")}
+    return {**problems, "sft": out["sft"]}
+
+
+def build_instructions(reviews: list[tuple[str, bool]], seen: set[str] = frozenset()) -> dict:
+    """The two families on the reviews, each ``{"test", "val", "train": [{"prompt", "answer", "family"}], "sft":
+    [{"prompt", "response"}]}``: ``{"instructions": ..., "sentiment": ...}``. The sentiment family
+    (``build_sentiment``) keeps its held-out reviews apart from ``seen`` (the review answers of other SFT examples)
+    and from the instruction family's SFT answers.
 
     For each kind, the limits of ``LIMITS`` in hash order go to test (the first ``HELD_OUT_LIMITS["test"]``), val
     (the next ``HELD_OUT_LIMITS["val"]``) or train, so that no held-out limit is in a training instruction of its
@@ -100,5 +138,9 @@ def build_instructions(reviews: list[tuple[str, bool]]) -> dict:
         out[split_of[kind, n]] += [{"prompt": p, "answer": f"{kind}:{n}", "family": "instruction"}
                                    for p in prompts(kind, n)]
     train_limits = {kind: [n for n in LIMITS if split_of[kind, n] == "train"] for kind in TEMPLATES}
-    out["sft"] = sft_pairs(reviews, train_limits)
-    return out
+    pairs = sft_pairs(reviews, train_limits)
+    sentiment = build_sentiment(reviews, set(seen) | {review for _, review in pairs})
+    return {family: {**problems, "sft": [{"prompt": p, "response": r} for p, r in sft]}
+            for family, (problems, sft) in (("instructions", (out, pairs)),
+                                            ("sentiment", ({k: v for k, v in sentiment.items() if k != "sft"},
+                                                           sentiment["sft"])))}
