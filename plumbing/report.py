@@ -168,13 +168,15 @@ def skill_section(metrics: dict, times: dict | None = None) -> list[str]:
     def pct(m, key):
         return f"{m[key]:.1%} ± {m[key + '_se']:.1%}" if key in m else "—"
 
-    def judged(m, family):
-        return (f"{m['rm_score']:.3f} ± {m['rm_score_se']:.3f}", f"{m['judge']:.3f} ± {m['judge_se']:.3f}") \
-            if "rm_score" in m and family == "instruction" else ("—", "—")
+    def table(family):
+        f = family + "_"  # the prefix of the family's figures
 
-    def table(f):  # f: the family's key prefix
+        def judged(m):
+            return (f"{m['rm_score']:.3f} ± {m['rm_score_se']:.3f}", f"{m['judge']:.3f} ± {m['judge_se']:.3f}") \
+                if "rm_score" in m and family == "instruction" else ("—", "—")
+
         rows = [("SFT", pct(sft, f + "greedy"), pct(sft, f + "pass1"), "0", f"{sft[f + 'length']:.1f}",
-                 f"{sft[f + 'eos_share']:.0%}", *judged(sft, f[:-1]), "—")]
+                 f"{sft[f + 'eos_share']:.0%}", *judged(sft), "—")]
         for k in (4, 16):
             rows.append((f"best-of-{k} (SFT + verifier)", "—", pct(sft, f"{f}pass{k}"), f"≤ {best_of_n_kl(k):.2f}",
                          "—", "—", "—", "—", "—"))
@@ -184,7 +186,7 @@ def skill_section(metrics: dict, times: dict | None = None) -> list[str]:
             m = metrics[stage]["tasks"][name]
             rows.append((f"{name.upper()} (verifier)", pct(m, f + "greedy"), pct(m, f + "pass1"),
                          f"{m[f + 'kl']:.2f} ± {m[f + 'kl_se']:.2f}", f"{m[f + 'length']:.1f}",
-                         f"{m[f + 'eos_share']:.0%}", *judged(m, f[:-1]),
+                         f"{m[f + 'eos_share']:.0%}", *judged(m),
                          f"{times[stage]:.0f} s" if stage in times else "—"))
             gain, se = m[f + "pass1"] - sft[f + "pass1"], math.hypot(m[f + "pass1_se"], sft[f + "pass1_se"])
             flag = metrics[stage].get("reward_hacking")
@@ -192,7 +194,7 @@ def skill_section(metrics: dict, times: dict | None = None) -> list[str]:
                 sentences.append(f"- {name.upper()} with the verifier: sampled pass@1 {sft[f + 'pass1']:.1%} → "
                                  f"{m[f + 'pass1']:.1%}, with no spread across problems to tell a gain from chance.")
                 continue
-            learnt, guess = SKILL_FAMILIES[f[:-1]][4:]
+            learnt, guess = SKILL_FAMILIES[family][4:]
             if guess is not None and m[f + "pass1"] - guess <= 3 * m[f + "pass1_se"]:  # no better than guessing
                 learnt = (f"the answers took the right form, but they are no better than a blind guess "
                           f"({guess:.0%})")
@@ -218,7 +220,7 @@ def skill_section(metrics: dict, times: dict | None = None) -> list[str]:
              f"family's own; the wall time is the whole stage's.", ""]
     for family in families:
         heading, example, held_out, right, _, guess = SKILL_FAMILIES[family]
-        rows, sentences = table(family + "_")
+        rows, sentences = table(family)
         count = f"{int(sft[family + '_problems'])} " if family + "_problems" in sft else ""
         judge_note = (f" RM score and judge, as in the table above: the first {settings.get('rm_samples', '?')} "
                       f"sampled answers of each of the {int(sft.get('praise_problems', 0))} problems that ask for a "

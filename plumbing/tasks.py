@@ -97,11 +97,10 @@ def measure_tasks(policy, ref, tasks, tokenizer, samples: int, max_new_tokens: i
         answers that merely contain the answer), ``{scope}_problems``, ``{scope}_length`` (tokens),
         ``{scope}_eos_share`` and ``{scope}_kl`` with ``_se``; over all again without the prefix: ``kl`` and
         ``kl_se`` (nats per response, from the first sample of each problem against ``ref``; exactly 0 when the two
-        are the same weights), ``length`` (tokens),
-        ``eos_share``, ``empty_share``, ``problems``, ``samples``; given ``reward_model`` and ``judge``
-        (``judge.SentimentJudge``) and problems that ``asks_for_praise``: ``rm_score``, ``judge`` (P(positive)), each
-        with ``_se`` over those problems (the mean of their first ``RM_SAMPLES`` sampled answers each), and
-        ``praise_problems``. examples: the first problems' greedy answers.
+        are the same weights), ``length`` (tokens), ``eos_share``, ``empty_share``, ``problems``, ``samples``;
+        given ``reward_model`` and ``judge`` (``judge.SentimentJudge``) and problems that ``asks_for_praise``:
+        ``rm_score``, ``judge`` (P(positive)), each with ``_se`` over those problems (the mean of their first
+        ``RM_SAMPLES`` sampled answers each), and ``praise_problems``. examples: the first problems' greedy answers.
     A measurement of the same weights, problems and settings made already in this process is returned again.
     """
     kind = torch.device(device).type

@@ -94,19 +94,18 @@ def sft_pairs(reviews: list[tuple[str, bool]], train_limits: dict[str, list[int]
 
 
 def build_sentiment(reviews: list[tuple[str, bool]], seen: set[str]) -> dict:
-    """The sentiment family: ``{"test", "val", "train": [{"prompt", "answer", "family"}], "sft": [(prompt,
-    answer)]}``, ``SENTIMENT_SPLITS`` reviews each, taken in hash order from ``reviews`` ((review, positive?) pairs)
+    """The sentiment family: ``{"test", "val", "train": [{"prompt", "answer", "family"}], "sft": [{"prompt",
+    "response"}]}``, ``SENTIMENT_SPLITS`` reviews each, taken in hash order from ``reviews`` ((review, positive?) pairs)
     of ``SENTIMENT_LENGTHS`` characters. A review whose near-duplicate form (``near_dup_form``) is in ``seen`` (the
     answers of other SFT examples) never goes to a held-out split, nor does one sharing its form with a training
     review of this family: its label would have been shown in training."""
     lo, hi = SENTIMENT_LENGTHS
-    usable = hash_sorted([(r, good) for r, good in reviews if lo <= len(r) <= hi], "sentiment-split",
-                         key=lambda x: x[0])
+    usable = hash_sorted([(r, good, near_dup_form(r)) for r, good in reviews if lo <= len(r) <= hi],
+                         "sentiment-split", key=lambda x: x[0])
     seen_forms, out = {near_dup_form(r) for r in seen}, {split: [] for split in SENTIMENT_SPLITS}
     for split, n in SENTIMENT_SPLITS.items():  # held-out splits first, then the training ones
         taken = dict.fromkeys(POLARITY, 0)  # half each: always answering one of them scores 50%
-        for review, good in usable:
-            form = near_dup_form(review)
+        for review, good, form in usable:
             if taken[good] < n // 2 and form not in seen_forms:
                 seen_forms.add(form)  # one review per form across all splits
                 taken[good] += 1
@@ -114,7 +113,7 @@ def build_sentiment(reviews: list[tuple[str, bool]], seen: set[str]) -> dict:
                                    POLARITY[good]))
     problems = {split: [{"prompt": p, "answer": a, "family": "sentiment"} for p, a in out[split]]
                 for split in ("test", "val", "train")}
-    return {**problems, "sft": out["sft"]}
+    return {**problems, "sft": [{"prompt": p, "response": a} for p, a in out["sft"]]}
 
 
 def build_instructions(reviews: list[tuple[str, bool]], seen: set[str] = frozenset()) -> dict:
@@ -139,8 +138,5 @@ def build_instructions(reviews: list[tuple[str, bool]], seen: set[str] = frozens
                                    for p in prompts(kind, n)]
     train_limits = {kind: [n for n in LIMITS if split_of[kind, n] == "train"] for kind in TEMPLATES}
     pairs = sft_pairs(reviews, train_limits)
-    sentiment = build_sentiment(reviews, set(seen) | {review for _, review in pairs})
-    return {family: {**problems, "sft": [{"prompt": p, "response": r} for p, r in sft]}
-            for family, (problems, sft) in (("instructions", (out, pairs)),
-                                            ("sentiment", ({k: v for k, v in sentiment.items() if k != "sft"},
-                                                           sentiment["sft"])))}
+    return {"instructions": {**out, "sft": [{"prompt": p, "response": r} for p, r in pairs]},
+            "sentiment": build_sentiment(reviews, set(seen) | {review for _, review in pairs})}
