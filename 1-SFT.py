@@ -49,12 +49,14 @@ from plumbing.records import read_chat_pairs
 from plumbing.training import StageRun, evaluate_lm, make_accelerator
 
 # Run length and optimisation per preset; every value can be overridden on the command line. The demo run sees
-# 300 x 16 = 4800 pairs (about 200k tokens, a third of the training set) and fits in three minutes on 2 CPU cores;
+# 320 x 16 = 5120 pairs (about 220k tokens, a third of the training set) and fits in two minutes on 2 CPU cores:
+# 20 steps more than the chat pairs alone had, for the 1000 two-character sentiment answers mixed in (at 300 steps
+# they cost the chat answers 0.055 nats of val response loss, at 320 0.023; bench/README.md, "A second family");
 # its peak rate is the demo pretraining's, because the small model has much left to learn about the formats.
 DEFAULTS = {
     "tiny": dict(max_steps=30, batch_size=8, learning_rate=3e-3, warmup_steps=3, eval_every=15, eval_examples=16,
                  optimizer="adamw"),
-    "demo": dict(max_steps=300, batch_size=16, learning_rate=2e-3, warmup_steps=20, eval_every=100,
+    "demo": dict(max_steps=320, batch_size=16, learning_rate=2e-3, warmup_steps=20, eval_every=100,
                  eval_examples=200, optimizer="adamw"),
     "gpt2-zh-small": dict(max_steps=3000, batch_size=16, learning_rate=1e-4, warmup_steps=100, eval_every=250,
                           eval_examples=700, save_every=500, optimizer="adamw"),
@@ -74,11 +76,12 @@ def parse_args(argv=None):
                    help="the pretrained checkpoint to fine-tune (written by 0-PRETRAIN.py)")
     p.add_argument("--train_files", nargs="+",
                    default=[default_path("data", "sft", "train.jsonl"),
-                            default_path("data", "instructions", "sft.jsonl")],
+                            default_path("data", "instructions", "sft.jsonl"),
+                            default_path("data", "sentiment", "sft.jsonl")],
                    help='.jsonl, .json (an array) or .parquet files of {"prompt", "response"}, alpaca {"instruction", '
                         '"input", "output"} or {"messages": [{"role", "content"}, ...]} records, told apart per file '
-                        '(default: the chat pairs and the review instructions\' examples, which the verifiable path '
-                        'of 3-GRPO.py and 3-PPO.py starts from)')
+                        '(default: the chat pairs and the examples of the review instructions and of the reviews\' '
+                        'sentiment, which the verifiable path of 3-GRPO.py and 3-PPO.py starts from)')
     p.add_argument("--val_files", nargs="+", default=[default_path("data", "sft", "val.jsonl")],
                    help="held-out prompt/response pairs for the validation response loss and sample answers")
     p.add_argument("--system", help="a system text for every conversation that has none of its own ([CLS] system "

@@ -45,14 +45,26 @@ from plumbing.training import resume_command
 ROOT = os.path.dirname(os.path.abspath(__file__))
 CHECKPOINTS = {"pretrain": "checkpoints/pretrain", "sft": "checkpoints/sft", "rm": "checkpoints/rm",
                "ppo": "checkpoints/ppo", "dpo": "checkpoints/dpo", "grpo": "checkpoints/grpo",
-               "grpo-tasks": "checkpoints/grpo-tasks", "ppo-tasks": "checkpoints/ppo-tasks"}
+               "grpo-tasks": "checkpoints/grpo-tasks", "ppo-tasks": "checkpoints/ppo-tasks",
+               "grpo-sentiment": "checkpoints/grpo-sentiment"}
 STAGES = [("pretrain", "0-PRETRAIN.py"), ("sft", "1-SFT.py"), ("rm", "2-RM.py"), ("ppo", "3-PPO.py"),
-          ("dpo", "3-DPO.py"), ("grpo", "3-GRPO.py"), ("grpo-tasks", "3-GRPO.py"), ("ppo-tasks", "3-PPO.py")]
-# flags a stage runs with besides --preset: the verifiable path, GRPO and PPO rewarded by the strict checker on the
-# review instructions (their default files with --verifier) instead of by the RM
-STAGE_FLAGS = {"grpo-tasks": ["--verifier", "exact"], "ppo-tasks": ["--verifier", "exact"]}
+          ("dpo", "3-DPO.py"), ("grpo", "3-GRPO.py"), ("grpo-tasks", "3-GRPO.py"), ("ppo-tasks", "3-PPO.py"),
+          ("grpo-sentiment", "3-GRPO.py")]
+# flags a stage runs with besides --preset: the verifiable path, GRPO and PPO rewarded by the strict checker instead
+# of by the RM, on the review instructions (their default files with --verifier); and GRPO on the sentiment of
+# reviews, whose answer (正面 or 负面, then [SEP]) is 3 tokens: rollouts of 8 tokens cost a tenth of the instructions'
+# 64 (bench/README.md, "A second family")
+STAGE_FLAGS = {"grpo-tasks": ["--verifier", "exact"], "ppo-tasks": ["--verifier", "exact"],
+               "grpo-sentiment": ["--verifier", "exact", "--prompts_file", "data/sentiment/train.jsonl",
+                                  "--val_prompts_file", "data/sentiment/test.jsonl", "--max_new_tokens", "8",
+                                  "--output_dir", CHECKPOINTS["grpo-sentiment"]]}
+# and per preset, where a stage's recipe differs from its script's defaults: on the demo the sentiment family needs
+# 40 iterations at 4e-4 where the instructions' 24 at 1e-4 suffice (at 24 it gained 6 points; bench/README.md),
+# measured once at the end, with 8 samples per held-out problem (a standard error of 1.5 points, not 2)
+PRESET_FLAGS = {("grpo-sentiment", "demo"): ["--max_steps", "40", "--eval_every", "40", "--learning_rate", "4e-4",
+                                            "--eval_samples", "8"]}
 PARENTS = {"sft": "pretrain", "rm": "sft", "ppo": "sft", "dpo": "sft", "grpo": "sft", "grpo-tasks": "sft",
-           "ppo-tasks": "sft"}  # whose weights each starts from
+           "ppo-tasks": "sft", "grpo-sentiment": "sft"}  # whose weights each starts from
 
 
 def parse_args(argv=None):
@@ -156,9 +168,10 @@ def return_free_memory() -> None:
 
 
 def stage_command(stage: str, script: str, preset: str) -> list[str]:
-    """The arguments the pipeline runs ``stage`` with: its script, the preset and its ``STAGE_FLAGS`` (each stage's
-    default --output_dir is its folder of ``CHECKPOINTS``)."""
-    return [script, "--preset", preset, *STAGE_FLAGS.get(stage, [])]
+    """The arguments the pipeline runs ``stage`` with: its script, the preset, its ``STAGE_FLAGS`` and its
+    ``PRESET_FLAGS`` for ``preset`` (the stage's folder of ``CHECKPOINTS`` is its script's default --output_dir, or
+    given there)."""
+    return [script, "--preset", preset, *STAGE_FLAGS.get(stage, []), *PRESET_FLAGS.get((stage, preset), [])]
 
 
 def kept_from_earlier_run(stage: str, script: str, preset: str) -> bool:

@@ -28,8 +28,9 @@ from plumbing.judge import best_of_n_kl, distinct_n, longest_repeat, reward_hack
 from plumbing.markdown import markdown_table
 
 ALIGNED = ("ppo", "dpo", "grpo")  # the three alignment stages, each from the SFT model, measured alike
-# the verifiable path: GRPO and PPO from the same SFT model, rewarded by the strict checker (the review instructions)
-TASK_ALIGNED = ("grpo-tasks", "ppo-tasks")
+# the verifiable path: GRPO and PPO from the same SFT model, rewarded by the strict checker on the review
+# instructions, and GRPO on the sentiment of reviews in a run of its own (its answers are two characters long)
+TASK_ALIGNED = ("grpo-tasks", "ppo-tasks", "grpo-sentiment")
 ANSWERING = ("pretrain", "sft") + ALIGNED + ("grpo-tasks",)  # the models that answer the report's prompts
 # prompts answered by every model in the report: two review-writing tasks, a held-out length instruction (its limit
 # is in no training instruction), a 歇后语, a definition, free text
@@ -135,103 +136,109 @@ def held_out_section(metrics: dict, best_of_n: dict | None = None, times: dict |
     return lines + [""]
 
 
-# Per family of the verifiable path: the card's heading, an example, where the problems come from, what the strict
-# checker wants, what a gain means, and the pass rate of a blind guess where there is one (tasks.measure_tasks keys
-# the figures by family)
+# Per family of the verifiable path (tasks.measure_tasks keys the figures by family): the card's heading, an example
+# problem, its held-out split and what keeps it apart from training, what the strict checker wants, what a gain
+# means, and the pass rate of a blind guess where there is one
 SKILL_FAMILIES = {
-    "instruction": ("Review instructions on held-out limits", "“写一条不超过二十个字的好评。”",
-                    "whose limits no training instruction holds",
-                    "it ended with [SEP], keeps the limit, and reads as a review (8-120 characters, other Chinese "
-                    "characters than a repeated phrase)", "it learnt to keep limits it never trained on", None),
-    "sentiment": ("The sentiment of held-out reviews", "“这条评论是正面的还是负面的？“房间很干净，服务也好。””",
-                  "whose reviews are in no training prompt and no SFT answer, half 正面 (positive) and half 负面",
-                  "it ended with [SEP] and is the review's label, 正面 or 负面, and nothing else",
-                  "it learnt to tell the sentiment of reviews it never saw labelled", 0.5),
+    "instruction": dict(heading="Review instructions on held-out limits", example="“写一条不超过二十个字的好评。”",
+                        held_out="`data/instructions/test.jsonl`, whose limits no training instruction holds",
+                        right="it ended with [SEP], keeps the limit, and reads as a review (8-120 characters, other "
+                              "Chinese characters than a repeated phrase)",
+                        learnt="it learnt to keep limits it never trained on", guess=None),
+    "sentiment": dict(heading="The sentiment of held-out reviews",
+                      example="“这条评论是正面的还是负面的？“房间很干净，服务也好。””",
+                      held_out="`data/sentiment/test.jsonl`, whose reviews are in no training prompt and no SFT "
+                               "answer, half 正面 (positive) and half 负面",
+                      right="it ended with [SEP] and is the review's label, 正面 or 负面, and nothing else",
+                      learnt="it learnt to tell the sentiment of reviews it never saw labelled", guess=0.5),
 }
 
 
 def skill_section(metrics: dict, times: dict | None = None) -> list[str]:
-    """Markdown lines: "A skill checked exactly", the verifiable path on its held-out problems, one table per family
-    (``SKILL_FAMILIES``) that the measurement holds. Rows SFT, best-of-4 and best-of-16 by the verifier (pass@4 and
-    pass@16 of the SFT model's 16 samples per problem), then GRPO and PPO with the verifier
-    (``metrics[stage]["tasks"]``), with greedy and sampled accuracy, KL, length, the [SEP] share, and for the
-    instructions the RM score and judge of the answers to the problems that ask for a 好评 (``tasks.measure_tasks``
-    with a reward model); under each table one sentence per aligner on what its gain means. Nothing if no such
-    stage ran."""
-    ran = [stage for stage in TASK_ALIGNED if metrics.get(stage, {}).get("tasks")]
-    if not ran:
+    """Markdown lines: "A skill checked exactly", the verifiable path on held-out problems, one part per family of
+    ``SKILL_FAMILIES`` that a stage of ``TASK_ALIGNED`` measured (``family_part``). Nothing if no such stage ran."""
+    measured = {stage: metrics[stage] for stage in TASK_ALIGNED if metrics.get(stage, {}).get("tasks")}
+    if not measured:
         return []
-    times = times or {}
-    settings = metrics[ran[0]]["task_settings"]
-    sft = metrics[ran[0]]["tasks"]["sft"]
+    lines = ["## A skill checked exactly", "",
+             "GRPO and PPO rewarded by a program instead of the RM (`--verifier exact`, `plumbing/verifiers.py`), "
+             "each measured on the held-out problems of the families it trained on, a table per family below. An "
+             "answer is right when the strict checker accepts it. Greedy: one answer per problem; sampled pass@1: "
+             "several answers per problem at temperature 1 (more for SFT); ± one standard error over problems. "
+             "Best-of-k trains nothing: it is pass@k of the SFT model's samples, the verifier picking a right one "
+             "when there is one, and its KL is the bound log k - (k - 1)/k at most. KL, mean length (tokens) and "
+             "[SEP] share are the family's own; the wall time is the whole stage's.", ""]
+    for family in SKILL_FAMILIES:
+        stages = {stage: m for stage, m in measured.items() if f"{family}_pass1" in m["tasks"]["sft"]}
+        if stages:
+            lines += family_part(family, stages, times or {})
+    return lines
+
+
+def family_part(family: str, stages: dict, times: dict) -> list[str]:
+    """Markdown lines for one family: its heading, what its problems are and how they were sampled, then a table
+    with the rows SFT, best-of-4 and best-of-16 by the verifier (pass@4 and pass@16 of the SFT model's samples per
+    problem, as the first of ``stages`` measured them), then each of ``stages`` ({stage: its final metrics}, each
+    ``metrics["tasks"]`` from ``tasks.measure_tasks``) with greedy and sampled accuracy, KL, length, the [SEP] share,
+    and for the instructions the RM score and judge of the answers to the problems that ask for a 好评; under the
+    table one sentence per aligner on what its gain means (or that the pipeline did not run it on this family)."""
+    about, f = SKILL_FAMILIES[family], family + "_"  # f: the prefix of the family's figures
+    first = next(iter(stages.values()))
+    settings, sft = first["task_settings"], first["tasks"]["sft"]
 
     def pct(m, key):
         return f"{m[key]:.1%} ± {m[key + '_se']:.1%}" if key in m else "—"
 
-    def table(family):
-        f = family + "_"  # the prefix of the family's figures
+    def judged(m):
+        return (f"{m['rm_score']:.3f} ± {m['rm_score_se']:.3f}", f"{m['judge']:.3f} ± {m['judge_se']:.3f}") \
+            if "rm_score" in m and family == "instruction" else ("—", "—")
 
-        def judged(m):
-            return (f"{m['rm_score']:.3f} ± {m['rm_score_se']:.3f}", f"{m['judge']:.3f} ± {m['judge_se']:.3f}") \
-                if "rm_score" in m and family == "instruction" else ("—", "—")
+    rows = [("SFT", pct(sft, f + "greedy"), pct(sft, f + "pass1"), "0", f"{sft[f + 'length']:.1f}",
+             f"{sft[f + 'eos_share']:.0%}", *judged(sft), "—")]
+    for k in (4, 16):
+        rows.append((f"best-of-{k} (SFT + verifier)", "—", pct(sft, f"{f}pass{k}"), f"≤ {best_of_n_kl(k):.2f}",
+                     "—", "—", "—", "—", "—"))
+    sentences = []
+    for stage, metrics in stages.items():
+        name = stage.split("-")[0]
+        m = metrics["tasks"][name]
+        rows.append((f"{name.upper()} (verifier)", pct(m, f + "greedy"), pct(m, f + "pass1"),
+                     f"{m[f + 'kl']:.2f} ± {m[f + 'kl_se']:.2f}", f"{m[f + 'length']:.1f}",
+                     f"{m[f + 'eos_share']:.0%}", *judged(m), f"{times[stage]:.0f} s" if stage in times else "—"))
+        sentences.append(gain_sentence(name, sft, m, f, about, metrics.get("reward_hacking")))
+    ran = {stage.split("-")[0] for stage in stages}
+    sentences += [f"- {name.upper()} with the verifier: not run on this family by the pipeline (its time budget)."
+                  for name in ("grpo", "ppo") if name not in ran]
+    count = f"{int(sft[f + 'problems'])} " if f + "problems" in sft else ""
+    judge_note = (f" RM score and judge, as in the table above: the first {settings.get('rm_samples', '?')} sampled "
+                  f"answers of each of the {int(sft.get('praise_problems', 0))} problems that ask for a 好评 (both "
+                  f"score how positive a review is, so on a 差评 the higher score would be the worse answer): keeping "
+                  f"a limit must not be bought with worse reviews." if family == "instruction" and "rm_score" in sft
+                  else "")
+    return [f"### {about['heading']}", "",
+            f"{count}held-out problems such as {about['example']}: {about['held_out']}. Right: {about['right']}."
+            + (f" A blind guess scores {about['guess']:.0%}." if about["guess"] is not None else "")
+            + f" Sampled: {settings['samples']} answers per problem ({settings['sft_samples']} for SFT) at "
+              f"temperature {settings['temperature']:g}, up to {settings['max_new_tokens']} tokens." + judge_note, "",
+            markdown_table(("model", "greedy", "sampled pass@1", "KL", "mean length", "ends with [SEP]", "RM score",
+                            "judge", "wall time"), rows).rstrip("\n"), ""] + sentences + [""]
 
-        rows = [("SFT", pct(sft, f + "greedy"), pct(sft, f + "pass1"), "0", f"{sft[f + 'length']:.1f}",
-                 f"{sft[f + 'eos_share']:.0%}", *judged(sft), "—")]
-        for k in (4, 16):
-            rows.append((f"best-of-{k} (SFT + verifier)", "—", pct(sft, f"{f}pass{k}"), f"≤ {best_of_n_kl(k):.2f}",
-                         "—", "—", "—", "—", "—"))
-        sentences = []
-        for stage in ran:
-            name = stage.split("-")[0]
-            m = metrics[stage]["tasks"][name]
-            rows.append((f"{name.upper()} (verifier)", pct(m, f + "greedy"), pct(m, f + "pass1"),
-                         f"{m[f + 'kl']:.2f} ± {m[f + 'kl_se']:.2f}", f"{m[f + 'length']:.1f}",
-                         f"{m[f + 'eos_share']:.0%}", *judged(m),
-                         f"{times[stage]:.0f} s" if stage in times else "—"))
-            gain, se = m[f + "pass1"] - sft[f + "pass1"], math.hypot(m[f + "pass1_se"], sft[f + "pass1_se"])
-            flag = metrics[stage].get("reward_hacking")
-            if se == 0:  # every problem scored alike (the tiny preset's smoke test): nothing to weigh the gain with
-                sentences.append(f"- {name.upper()} with the verifier: sampled pass@1 {sft[f + 'pass1']:.1%} → "
-                                 f"{m[f + 'pass1']:.1%}, with no spread across problems to tell a gain from chance.")
-                continue
-            learnt, guess = SKILL_FAMILIES[family][4:]
-            if guess is not None and m[f + "pass1"] - guess <= 3 * m[f + "pass1_se"]:  # no better than guessing
-                learnt = (f"the answers took the right form, but they are no better than a blind guess "
-                          f"({guess:.0%})")
-            sentences.append(
-                f"- {name.upper()} with the verifier: sampled pass@1 {sft[f + 'pass1']:.1%} → {m[f + 'pass1']:.1%}, "
-                + (f"**{gain * 100:+.1f} points, {gain / se:.1f} standard errors**: {learnt}" if gain > 3 * se
-                   else f"{gain * 100:+.1f} points ({gain / se:.1f} standard errors): RL gained nothing that this "
-                        f"measurement can tell from chance")
-                + f", at KL {m[f + 'kl']:.2f} nats per response." + (f" **{flag}**" if flag else ""))
-        return markdown_table(("model", "greedy", "sampled pass@1", "KL", "mean length", "ends with [SEP]",
-                               "RM score", "judge", "wall time"), rows).rstrip("\n"), sentences
 
-    families = [family for family in SKILL_FAMILIES if f"{family}_pass1" in sft]
-    lines = ["## A skill checked exactly", "",
-             f"GRPO and PPO rewarded by a program instead of the RM (`--verifier exact`, `plumbing/verifiers.py`), "
-             f"measured on {settings['problems']} held-out problems (the pipeline's: `data/instructions/test.jsonl`), "
-             f"a table per family below. An answer is right when the strict checker "
-             f"accepts it. Greedy: one answer per problem; sampled pass@1: {settings['samples']} answers per "
-             f"problem at temperature {settings['temperature']:g} ({settings['sft_samples']} for SFT), up to "
-             f"{settings['max_new_tokens']} tokens; ± one standard error over problems. Best-of-k trains nothing: "
-             f"it is pass@k of the SFT model's samples, the verifier picking a right one when there is one, and its "
-             f"KL is the bound log k - (k - 1)/k at most. KL, mean length (tokens) and [SEP] share are the "
-             f"family's own; the wall time is the whole stage's.", ""]
-    for family in families:
-        heading, example, held_out, right, _, guess = SKILL_FAMILIES[family]
-        rows, sentences = table(family)
-        count = f"{int(sft[family + '_problems'])} " if family + "_problems" in sft else ""
-        judge_note = (f" RM score and judge, as in the table above: the first {settings.get('rm_samples', '?')} "
-                      f"sampled answers of each of the {int(sft.get('praise_problems', 0))} problems that ask for a "
-                      f"好评 (both score how positive a review is, so on a 差评 the higher score would be the worse "
-                      f"answer): keeping a limit must not be bought with worse reviews."
-                      if family == "instruction" and "rm_score" in sft else "")
-        lines += [f"### {heading}", "",
-                  f"{count}held-out problems such as {example}, {held_out}. Right: {right}."
-                  + (f" A blind guess scores {guess:.0%}." if guess is not None else "") + judge_note, "",
-                  rows, ""] + sentences + [""]
-    return lines
+def gain_sentence(name: str, sft: dict, m: dict, f: str, about: dict, flag: str | None) -> str:
+    """One line on an aligner's gain on a family (figures prefixed ``f``): SFT's sampled pass@1 -> ``m``'s, what the
+    gain means (learnt, only a blind guess's rate, or nothing told from chance), the KL, and the stage's reward-hacking
+    ``flag`` if any."""
+    gain, se = m[f + "pass1"] - sft[f + "pass1"], math.hypot(m[f + "pass1_se"], sft[f + "pass1_se"])
+    head = f"- {name.upper()} with the verifier: sampled pass@1 {sft[f + 'pass1']:.1%} → {m[f + 'pass1']:.1%}"
+    if se == 0:  # every problem scored alike (the tiny preset's smoke test): nothing to weigh the gain with
+        return head + ", with no spread across problems to tell a gain from chance."
+    learnt, guess = about["learnt"], about["guess"]
+    if guess is not None and m[f + "pass1"] - guess <= 3 * m[f + "pass1_se"]:  # no better than guessing
+        learnt = f"the answers took the right form, but they are no better than a blind guess ({guess:.0%})"
+    return (head + ", " + (f"**{gain * 100:+.1f} points, {gain / se:.1f} standard errors**: {learnt}" if gain > 3 * se
+                           else f"{gain * 100:+.1f} points ({gain / se:.1f} standard errors): RL gained nothing that "
+                                f"this measurement can tell from chance")
+            + f", at KL {m[f + 'kl']:.2f} nats per response." + (f" **{flag}**" if flag else ""))
 
 
 def aligned_summary(stage: str, metrics: dict, fmt, first_row: dict | None = None) -> str:
@@ -247,16 +254,17 @@ def aligned_summary(stage: str, metrics: dict, fmt, first_row: dict | None = Non
 
 
 def task_summary(stage: str, metrics: dict) -> str:
-    """The stage table's cell for a stage of the verifiable path: held-out sampled pass@1 per family and over all,
-    SFT -> the stage, greedy over all, and KL."""
+    """The stage table's cell for a stage of the verifiable path: held-out sampled pass@1 per family (and over all
+    when it trained on more than one), SFT -> the stage, greedy over all, and KL."""
     tasks, name = metrics.get("tasks", {}), stage.split("-")[0]
     sft, aligned = tasks.get("sft", {}), tasks.get(name, {})
-    families = "".join(f"{family} {fmt(sft.get(family + '_pass1'), '.1%')} → "
-                       f"{fmt(aligned.get(family + '_pass1'), '.1%')}, "
-                       for family in SKILL_FAMILIES if family + "_pass1" in sft)
-    return (f"held-out problems: sampled pass@1 (SFT → {name.upper()}) {families}all "
-            f"{fmt(sft.get('all_pass1'), '.1%')} → {fmt(aligned.get('all_pass1'), '.1%')}; greedy "
-            f"{fmt(sft.get('all_greedy'), '.1%')} → {fmt(aligned.get('all_greedy'), '.1%')}, KL "
+
+    def change(key):  # SFT's figure -> the stage's
+        return f"{fmt(sft.get(key), '.1%')} → {fmt(aligned.get(key), '.1%')}"
+
+    families = [family for family in SKILL_FAMILIES if family + "_pass1" in sft]
+    passed = ", ".join(f"{family} {change(family + '_pass1')}" for family in families + ["all"] * (len(families) > 1))
+    return (f"held-out problems: sampled pass@1 (SFT → {name.upper()}) {passed}; greedy {change('all_greedy')}, KL "
             f"{fmt(metrics.get('kl'), '.2f')} nats/response")
 
 
@@ -297,8 +305,9 @@ def stage_table(preset: str, launch: str, times: dict, records: dict, baselines:
              f"{fmt(b.get('naive_bayes_test_accuracy'))}), test margin {fmt(m['rm'].get('test_margin'))}"),
             *[(f"3-{stage.upper()}", f"{times[stage]:.0f} s", "—", "—",
                aligned_summary(stage, m[stage], fmt, (records[stage]["rows"] or [{}])[0])) for stage in ALIGNED],
-            *[(f"3-{stage.split('-')[0].upper()} --verifier exact", f"{times[stage]:.0f} s", "—", "—",
-               task_summary(stage, m[stage])) for stage in TASK_ALIGNED if stage in m],
+            *[(f"3-{stage.split('-')[0].upper()} --verifier exact "
+               f"({', '.join(m[stage].get('task_settings', {}).get('families', []))})", f"{times[stage]:.0f} s",
+               "—", "—", task_summary(stage, m[stage])) for stage in TASK_ALIGNED if stage in m],
             ("generation", f"{times['generate']:.0f} s", "—", "—",
              f"{len(ANSWERING)} models × {len(REPORT_PROMPTS)} prompts"),
             ("best-of-n", f"{times.get('best_of_n', 0):.0f} s", "—", "—",

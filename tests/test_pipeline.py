@@ -127,6 +127,33 @@ def test_skill_section_gives_each_family_its_own_table_and_figures():
     assert "25.0% → 52.0%, **+27.0 points" in text and "no better than a blind guess (50%)" in text
 
 
+
+def test_skill_section_takes_each_family_from_the_stages_that_trained_on_it():
+    """The pipeline's layout: GRPO and PPO on the instructions, GRPO alone on the sentiment in a stage of its own.
+    Each family's table has its SFT row from its own stage's measurement and one row per stage that measured it;
+    the aligner that did not run on a family is said so; the stage table's cell names no "all" for one family."""
+    settings = {"problems": 500, "samples": 4, "sft_samples": 16, "temperature": 1.0, "max_new_tokens": 64}
+    instruction = {"tasks": {"sft": task_monitors(0.50, 0.010), "grpo": task_monitors(0.62, 0.012, kl=1.8)},
+                   "task_settings": {**settings, "families": ["instruction"]}, "reward_hacking": "", "kl": 1.8}
+    ppo = {"tasks": {"sft": task_monitors(0.50, 0.010), "ppo": task_monitors(0.60, 0.012, kl=1.2)},
+           "task_settings": {**settings, "families": ["instruction"]}, "reward_hacking": ""}
+    sentiment = {"tasks": {"sft": task_monitors(0.47, 0.007, greedy=0.54, families=("sentiment",)),
+                           "grpo": task_monitors(0.60, 0.015, greedy=0.61, kl=0.3, families=("sentiment",))},
+                 "task_settings": {**settings, "samples": 8, "max_new_tokens": 8, "families": ["sentiment"]},
+                 "reward_hacking": "", "kl": 0.3}
+    metrics = {"grpo-tasks": instruction, "ppo-tasks": ppo, "grpo-sentiment": sentiment}
+    text = "\n".join(report.skill_section(metrics, {"grpo-tasks": 200.0, "grpo-sentiment": 150.0}))
+    instructions, polarity = text.split("### Review instructions")[1].split("### The sentiment")
+    assert "| PPO (verifier) | 10.0% ± 1.0% | 60.0% ± 1.2% |" in instructions and "not run" not in instructions
+    assert "| SFT | 54.0% ± 1.0% | 47.0% ± 0.7% | 0 |" in polarity
+    assert "| GRPO (verifier) | 61.0% ± 1.0% | 60.0% ± 1.5% | 0.30 ± 0.10 | 25.0 | 95% | — | — | 150 s |" in polarity
+    assert "| PPO (verifier)" not in polarity and "- PPO with the verifier: not run on this family" in polarity
+    assert "47.0% → 60.0%, **+13.0 points, 7.9 standard errors**: it learnt to tell" in polarity
+    assert "Sampled: 8 answers per problem (16 for SFT) at temperature 1, up to 8 tokens." in polarity
+    assert report.task_summary("grpo-sentiment", sentiment) == (
+        "held-out problems: sampled pass@1 (SFT → GRPO) sentiment 47.0% → 60.0%; greedy 54.0% → 61.0%, KL 0.30 "
+        "nats/response")
+
 def test_export_section_names_the_best_unflagged_aligner_and_the_rm():
     demo = {"model": {"norm": "layernorm", "position_embedding": "rope"}}
     records = {stage: {"config": demo, "metrics": {"held_out": {stage: {**MONITORS, "judge": judge}},
@@ -285,7 +312,7 @@ def test_resume_keeps_the_finished_stages_and_continues_the_stopped_one(tmp_path
         fake_checkpoint(tmp_path, stage, parent_weights=old_sft)
     assert planned(["--resume"]) == {"pretrain": None, "sft": None, "rm": ["--resume"], "ppo": ["--overwrite"],
                                      "dpo": ["--overwrite"], "grpo": ["--overwrite"], "grpo-tasks": ["--overwrite"],
-                                     "ppo-tasks": ["--overwrite"]}
+                                     "ppo-tasks": ["--overwrite"], "grpo-sentiment": ["--overwrite"]}
     assert planned(["--resume", "--preset", "tiny"]) == {s: ["--overwrite"] for s, _ in pipeline.STAGES}
     assert planned(["--overwrite"]) == {s: ["--overwrite"] for s, _ in pipeline.STAGES}
     assert planned([]) == {s: [] for s, _ in pipeline.STAGES}
@@ -326,7 +353,7 @@ def test_resume_runs_again_a_stage_run_by_hand_or_trained_against_another_rm(tmp
         fake_checkpoint(tmp_path, stage, parent_weights=sft)
     assert planned(["--resume"]) == {"pretrain": None, "sft": None, "rm": None, "ppo": ["--overwrite"],
                                      "dpo": ["--overwrite"], "grpo": ["--overwrite"], "grpo-tasks": ["--overwrite"],
-                                     "ppo-tasks": ["--overwrite"]}
+                                     "ppo-tasks": ["--overwrite"], "grpo-sentiment": ["--overwrite"]}
     fake_checkpoint(tmp_path, "ppo", parent_weights=sft, reward_weights=rm)
     assert planned(["--resume"]) == {s: None for s, _ in pipeline.STAGES}
     fake_checkpoint(tmp_path, "sft", parent_weights=pretrain, more_flags=" --max_steps 10")
