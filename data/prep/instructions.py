@@ -18,8 +18,9 @@ The second family (``build_sentiment``, written to ``sentiment/``) asks whether 
 (positive or negative): the review-polarity task of Pang et al. 2002 as a verifiable problem, the label the corpus's.
 Its held-out reviews are in no training prompt and in no SFT answer (nor a near-duplicate of one: the same text up
 to punctuation and case). It avoids the words 好评/差评, which in the other prompts ask for a review to be written.
-It is not in the pipeline: mixed into the pipeline's SFT and verifiable GRPO it cost minutes the budget does not
-have and taught little beyond the answer's form (bench/README.md, "A second family")."""
+The pipeline mixes its SFT examples into the one SFT and trains GRPO on it in a stage of its own: mixed into the
+instructions' GRPO stage it cost minutes the budget does not have and taught little beyond the answer's form
+(bench/README.md, "A second family")."""
 
 from __future__ import annotations
 
