@@ -80,8 +80,9 @@ def parse_args(argv=None):
                             default_path("data", "sentiment", "sft.jsonl")],
                    help='.jsonl, .json (an array) or .parquet files of {"prompt", "response"}, alpaca {"instruction", '
                         '"input", "output"} or {"messages": [{"role", "content"}, ...]} records, told apart per file '
-                        '(default: the chat pairs and the examples of the review instructions and of the reviews\' '
-                        'sentiment, which the verifiable path of 3-GRPO.py and 3-PPO.py starts from)')
+                        '(default: data/sft/train.jsonl, the chat pairs, and data/instructions/sft.jsonl and '
+                        'data/sentiment/sft.jsonl, the examples of the two verifiable families, which the verifiable '
+                        'path of 3-GRPO.py and 3-PPO.py starts from)')
     p.add_argument("--val_files", nargs="+", default=[default_path("data", "sft", "val.jsonl")],
                    help="held-out prompt/response pairs for the validation response loss and sample answers")
     p.add_argument("--system", help="a system text for every conversation that has none of its own ([CLS] system "

@@ -88,7 +88,8 @@ def parse_args(argv=None):
     p.add_argument("--prompts_file",
                    help='what the policy answers: .jsonl lines with a "prompt" (or alpaca / "messages" records, '
                         'records.prompt_of) or a .txt file of one prompt per line (default: data/ppo/prompts.jsonl); '
-                        'with --verifier problems with answers (default: data/instructions/train.jsonl)')
+                        'with --verifier problems with answers (default: data/instructions/train.jsonl; the second '
+                        'family: data/sentiment/train.jsonl)')
     add_held_out_arguments(p, "GRPO")
     add_lora_arguments(p)
     p.add_argument("--rollout_size", type=positive_int, help="prompts per iteration (per process)")

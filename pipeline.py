@@ -1,6 +1,6 @@
 """The whole pipeline in one command, ending with a report card: the README's first command runs this.
 
-    python pipeline.py                      # data -> 0 -> 1 -> 2 -> 3-PPO, 3-DPO, 3-GRPO -> generate -> report
+    python pipeline.py                      # data -> 0 -> 1 -> 2 -> 3-PPO, 3-DPO, 3-GRPO, the verifiable path -> report
     python pipeline.py --overwrite          # run again, replacing the checkpoints of an earlier run
     python pipeline.py --resume             # after Ctrl-C: keep the finished stages, continue from the stopped one
     python pipeline.py --launch "accelerate launch --mixed_precision bf16" --preset gpt2-zh-small
@@ -270,7 +270,8 @@ def main(argv=None):
             print(f"\n=== [{number}/{total}] {script}: kept, finished by the earlier run ({CHECKPOINTS[stage]}) ===",
                   flush=True)
             continue
-        times[stage] = step(number, total, script, command, started, load_stage(script).main if here else None)
+        title = script if stage == script[2:-3].lower() else f"{script} ({stage})"  # 3-GRPO.py runs as three stages
+        times[stage] = step(number, total, title, command, started, load_stage(script).main if here else None)
 
     # the same prompts answered by each model, every answer scored by the reward model
     os.makedirs(args.report_dir, exist_ok=True)

@@ -146,7 +146,7 @@ SKILL_FAMILIES = {
                               "Chinese characters than a repeated phrase)",
                         learnt="it learnt to keep limits it never trained on", guess=None),
     "sentiment": dict(heading="The sentiment of held-out reviews",
-                      example="“这条评论是正面的还是负面的？“房间很干净，服务也好。””",
+                      example="“这条评论是正面的还是负面的？“只能说是一般般了””",
                       held_out="`data/sentiment/test.jsonl`, whose reviews are in no training prompt and no SFT "
                                "answer, half 正面 (positive) and half 负面",
                       right="it ended with [SEP] and is the review's label, 正面 or 负面, and nothing else",
