@@ -270,7 +270,7 @@ def main(argv=None):
             print(f"\n=== [{number}/{total}] {script}: kept, finished by the earlier run ({CHECKPOINTS[stage]}) ===",
                   flush=True)
             continue
-        title = script if stage == script[2:-3].lower() else f"{script} ({stage})"  # 3-GRPO.py runs as three stages
+        title = f"{script} ({stage})" if stage in STAGE_FLAGS else script  # 3-GRPO.py runs as three stages
         times[stage] = step(number, total, title, command, started, load_stage(script).main if here else None)
 
     # the same prompts answered by each model, every answer scored by the reward model
