@@ -54,6 +54,7 @@ from plumbing.tasks import (
     asks_for_praise,
     describe_tasks,
     measure_tasks,
+    review_polarity,
     task_hacking_flag,
     task_rollout_row,
     verifier_reward,
@@ -319,7 +320,8 @@ class TaskHeldOut(HeldOutBase):
 
     Args: as ``HeldOutBase`` (``prompts``: the held-out problems), and verifier: the name the stage trains with
         (``--verifier``); reward_model: a frozen RM that scores the answers to the problems asking for a 好评, beside
-        the independent judge (a monitor, never the reward), or None.
+        the independent judge (here a monitor; GRPO's ``--rm_weight`` may also make it part of the training
+        reward, which ``settings`` records), or None.
     """
     unit = "problems"
 
@@ -333,7 +335,9 @@ class TaskHeldOut(HeldOutBase):
     def settings(self) -> dict:
         return {"problems": len(self.prompts), "families": sorted({t["family"] for t in self.prompts}),
                 "sft_samples": SFT_SAMPLES, "samples": self.args.eval_samples, "temperature": 1.0,
-                "max_new_tokens": self.args.max_new_tokens, "verifier": self.verifier, "rm_samples": RM_SAMPLES}
+                "max_new_tokens": self.args.max_new_tokens, "verifier": self.verifier, "rm_samples": RM_SAMPLES,
+                # how much the RM's score counted in the training reward beside the verifier (GRPO's --rm_weight)
+                "rm_weight": (getattr(self.args, "rm_weight", None) or 0.0) if self.reward_model is not None else 0.0}
 
     def sample(self, samples: int):
         return measure_tasks(self.policy, self.ref, self.prompts, self.tokenizer, samples, self.args.max_new_tokens,
@@ -376,7 +380,8 @@ def add_held_out_arguments(p, stage: str) -> None:
     policy; sampling at another temperature would score one distribution and train another."""
     p.add_argument("--reward", default=default_path("checkpoints", "rm"),
                    help="reward model checkpoint (2-RM.py)" + (
-                       "; with --verifier it only scores the held-out answers to 好评 instructions, beside the judge"
+                       "; with --verifier it scores the held-out answers to 好评 instructions, beside the judge (and "
+                       "in GRPO, with --rm_weight, the training answers to them too, as part of the reward)"
                        if stage != "DPO" else ": it scores the held-out answers only, DPO never trains on it"))
     if stage != "DPO":
         p.add_argument("--verifier", choices=sorted(VERIFIERS),
@@ -493,28 +498,39 @@ class Online:
       put its score beside the independent judge (``HeldOut``).
     * With ``--verifier`` (verifiable tasks): a checker gives 1 or 0 (``tasks.verifier_reward``), there is no
       reward model (``reward_model`` is None), and the held-out measure is exact accuracy (``TaskHeldOut``);
-      where held-out problems ask for a 好评 and ``--reward`` holds a checkpoint, that RM (``monitor_model``)
-      scores their answers beside the judge, a monitor that never rewards.
+      where problems ask for a 好评 and ``--reward`` holds a checkpoint, that RM (``review_model``) scores their
+      answers: on held-out problems beside the judge, and with GRPO's ``--rm_weight`` on the training problems too,
+      a second term of the reward (``review_scores``) so that a constraint is not kept by writing worse reviews.
 
     Attributes: policy, ref, parent (the parent metadata the checkpoint records, with the reward's), prompts,
-    held_out_prompts, reward_model, monitor_model, context_length, reward (``reward(prompts, responses)``, see
+    held_out_prompts, reward_model, review_model, context_length, reward (``reward(prompts, responses)``, see
     ``rollouts.rollout``).
-    Raises ``UserError`` (in the constructor) as ``load_policy_and_ref``, ``load_reward_model`` and ``read_prompts``.
+    Raises ``UserError`` (in the constructor) as ``load_policy_and_ref``, ``load_reward_model`` and ``read_prompts``,
+    or when ``--rm_weight`` asks for an RM that ``--reward`` does not hold.
     """
 
     def __init__(self, args, tokenizer, device):
         self.args, self.tokenizer, self.device = args, tokenizer, device
         self.prompts, self.held_out_prompts = read_prompts(args)
         self.policy, parent, self.ref = load_policy_and_ref(args, tokenizer, device)
-        self.monitor_model = None
+        self.review_model = None
         if args.verifier:
             self.reward_model, self.context_length = None, self.policy.cfg.context_length
             self.reward = verifier_reward(args.verifier, tokenizer)
             self.parent = {**parent, "verifier": args.verifier}
             check_room(args, self.context_length, "the policy's")
-            if any(asks_for_praise(t) for t in self.held_out_prompts):
-                if os.path.isfile(os.path.join(args.reward, "config.json")):
-                    self.monitor_model = load_reward_model(args, self.policy.cfg.vocab_size, device)
+            rm_weight = getattr(args, "rm_weight", 0.0)  # GRPO's flag; PPO's reward is the verifier's alone
+            has_rm = os.path.isfile(os.path.join(args.reward, "config.json"))
+            reviews = rm_weight and any(review_polarity(t) for t in self.prompts)  # the RM in the reward
+            if reviews and not has_rm:
+                raise UserError(f"--rm_weight {rm_weight} adds the reward model's score of the 好评/差评 answers to "
+                                f"the reward, but --reward {args.reward} holds no checkpoint; train 2-RM.py first, "
+                                f"point --reward at one, or give --rm_weight 0 for the verifier alone")
+            if reviews or any(asks_for_praise(t) for t in self.held_out_prompts):
+                if has_rm:
+                    self.review_model = load_reward_model(args, self.policy.cfg.vocab_size, device)
+                    if reviews:  # the RM is then part of the reward: the checkpoint records which one
+                        self.parent.update(parent_meta(args.reward, "reward"))
                 else:
                     print(f"note: no reward model in --reward {args.reward}: the held-out answers are measured by "
                           f"the verifier alone, without the RM score and the judge beside it", flush=True)
@@ -532,11 +548,23 @@ class Online:
         return rollout(policy, prompts, ref=self.ref, reward=self.reward, tokenizer=self.tokenizer, args=self.args,
                        context_length=self.context_length, device=self.device, critic=critic)
 
+    def review_scores(self, prompts, responses):
+        """How good a review each answer of a rollout is, by the review model, and which answers are reviews: ((B,)
+        float32, 0.0 where not a review; (B,) bool). ``responses``: a rollout's dict, as every reward takes it.
+
+        The RM scores how positive a review is (its pairs put a positive review above a negative one): on a 好评
+        problem that score is the answer's quality, on a 差评 its negative is (``tasks.review_polarity``); counting
+        the 好评 alone, GRPO also made the 差评 answers more positive (bench/README.md). One pass scores every row.
+        Raises ``AttributeError`` without a ``review_model``."""
+        device = responses["input_ids"].device
+        polarity = torch.tensor([review_polarity(p) for p in prompts], dtype=torch.float32, device=device)  # (B,)
+        return polarity * rm_reward(self.review_model)(prompts, responses), polarity != 0
+
     def held_out(self, stage, policy):
         """The held-out measurement of this reward's path for ``stage``'s (unwrapped) ``policy``."""
         if self.args.verifier:
             return TaskHeldOut(stage, policy, self.ref, self.held_out_prompts, self.tokenizer, self.args,
-                               self.context_length, self.args.verifier, self.monitor_model)
+                               self.context_length, self.args.verifier, self.review_model)
         return HeldOut(stage, policy, self.ref, self.reward_model, self.held_out_prompts, self.tokenizer, self.args,
                        self.context_length)
 

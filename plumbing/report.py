@@ -206,6 +206,11 @@ def family_part(family: str, stages: dict, times: dict) -> list[str]:
                      f"{m[f + 'kl']:.2f} ± {m[f + 'kl_se']:.2f}", f"{m[f + 'length']:.1f}",
                      f"{m[f + 'eos_share']:.0%}", *judged(m), f"{times[stage]:.0f} s" if stage in times else "—"))
         sentences.append(gain_sentence(name, sft, m, f, about, metrics.get("reward_hacking")))
+        weight = metrics["task_settings"].get("rm_weight", 0.0)
+        if family == "instruction" and weight and "rm_score" in m:
+            sentences.append(f"  Its reward on the 好评 problems counted the RM's score too (`--rm_weight {weight:g}`, "
+                             f"beside the verifier's 1 or 0), so its RM score is not an independent check: the judge "
+                             f"is.")
     ran = {stage.split("-")[0] for stage in stages}
     sentences += [f"- {name.upper()} with the verifier: not run on this family by the pipeline (its time budget)."
                   for name in ("grpo", "ppo") if name not in ran]

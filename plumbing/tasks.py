@@ -81,7 +81,15 @@ RM_SAMPLES = 4  # sampled answers per 好评 problem (the first ones) that the R
 def asks_for_praise(task: dict) -> bool:
     """Whether a problem asks for a positive review ("写一条不超过二十个字的好评。"): the answers the RM and the judge
     can rank. Both score how positive a review is, so on a 差评 their higher score would be the worse answer."""
-    return task["family"] == "instruction" and "好评" in task["prompt"]
+    return review_polarity(task) == 1
+
+
+def review_polarity(task: dict) -> int:
+    """+1 when a problem asks for a 好评, -1 for a 差评, 0 otherwise (another family, or a review of neither kind):
+    the sign with which a score of how positive a review is (the RM's) counts as the quality of the answer."""
+    if task["family"] != "instruction":
+        return 0
+    return 1 if "好评" in task["prompt"] else -1 if "差评" in task["prompt"] else 0
 
 
 @torch.no_grad()

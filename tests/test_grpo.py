@@ -113,6 +113,86 @@ def test_equal_rewards_give_exactly_zero_advantages_and_are_counted():
     assert GRPO.group_advantages(verifier, 4)[1].tolist() == [True, True, False]
 
 
+def test_review_advantages_by_hand_scale_by_the_batch_not_the_group():
+    """Three groups of two: two ask for a 好评 (scored), one does not. Each scored answer's RM score minus its group's
+    mean, over the unbiased spread of those differences across the scored rows: the group whose answers differ by
+    0.1 gets small advantages (its own spread would make them +-0.71, as large as the verifier's); the unscored group
+    gets none whatever its scores."""
+    scores = torch.tensor([1.0, 3.0, 0.1, 0.2, 5.0, 9.0])
+    scored = torch.tensor([True, True, True, True, False, False])
+    spread = math.sqrt((1 + 1 + 0.05 ** 2 + 0.05 ** 2) / 3)
+    adv = GRPO.review_advantages(scores, scored, 2)
+    assert adv.tolist() == pytest.approx([-1 / spread, 1 / spread, -0.05 / spread, 0.05 / spread, 0, 0], abs=1e-6)
+    assert abs(adv[3].item()) < 0.1 < GRPO.group_advantages(scores, 2)[0][3].item()
+    # nothing to rank: one scored row, or scored rows all alike within their groups
+    assert GRPO.review_advantages(scores, torch.tensor([True] + [False] * 5), 1).tolist() == [0.0] * 6
+    assert GRPO.review_advantages(torch.tensor([2.0, 2.0, 7.0, 7.0]), torch.ones(4, dtype=torch.bool), 2).tolist() \
+        == [0.0] * 4
+
+
+def test_review_scores_count_the_rm_for_a_praise_and_against_it_for_a_complaint():
+    """The RM scores how positive a review is: on a 好评 problem its score is the answer's quality, on a 差评 its
+    negative; another family's answer is no review (0, not counted). A stand-in RM returns each row's first id."""
+    import types
+
+    from plumbing.alignment import Online
+
+    def stand_in_rm(input_ids, attention_mask):
+        return {"rewards": input_ids[:, 0].float()}
+
+    prompts = [{"prompt": "写一条不超过二十个字的好评。", "answer": "max_chars:20", "family": "instruction"},
+               {"prompt": "写一条差评，十个字以内。", "answer": "max_chars:10", "family": "instruction"},
+               {"prompt": "这条评论是正面的还是负面的？“好”", "answer": "正面", "family": "sentiment"}]
+    responses = {"input_ids": torch.tensor([[3, 1], [5, 1], [7, 1]]), "attention_mask": torch.ones(3, 2)}
+    scores, reviewed = Online.review_scores(types.SimpleNamespace(review_model=stand_in_rm), prompts, responses)
+    assert scores.tolist() == [3.0, -5.0, 0.0] and reviewed.tolist() == [True, True, False]
+
+
+def test_rm_weight_needs_a_verifier_and_a_reward_model(tmp_path, tiny_policy_and_rm, capsys):
+    """--rm_weight without --verifier, and with 好评 problems but no RM checkpoint in --reward: one-line errors that
+    name the flag and the fix, exit 2, nothing written."""
+    from plumbing.cli import run
+
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text(json.dumps({"prompt": "写一条不超过二十个字的好评。", "answer": "max_chars:20",
+                                 "family": "instruction"}, ensure_ascii=False) + "\n", encoding="utf-8")
+    policy, _ = tiny_policy_and_rm
+    common = ["--preset", "tiny", "--policy", str(policy), "--output_dir", str(tmp_path / "out")]
+    for extra, message in (([], "without --verifier the reward is the reward model's alone"),
+                           (["--verifier", "exact", "--prompts_file", str(tasks), "--val_prompts_file", str(tasks),
+                             "--reward", str(tmp_path / "no_rm")], "give --rm_weight 0 for the verifier alone")):
+        with pytest.raises(SystemExit) as exit_:
+            run(GRPO.main, [*common, *extra, "--rm_weight", "0.1"])
+        err = capsys.readouterr().err.strip()
+        assert exit_.value.code == 2 and err.startswith("error: --rm_weight 0.1 ") and message in err
+        assert len(err.splitlines()) == 1 and not (tmp_path / "out").exists()
+
+
+@pytest.mark.slow
+def test_rm_weight_adds_the_reward_models_term_on_praise_problems(tmp_path, tiny_policy_and_rm):
+    """GRPO with --verifier on 好评 and 差评 instructions that a tiny model never keeps (every group flat for the
+    verifier): with --rm_weight 0 nothing moves the policy but the KL term; with 0.1 the RM's term trains it, the
+    reviews' mean quality is logged, and the checkpoint records the RM it was rewarded by."""
+    tasks = tmp_path / "tasks.jsonl"
+    rows = [{"prompt": f"写一条不超过{words}个字的{kind}。", "answer": f"max_chars:{n}", "family": "instruction"}
+            for n, words in ((10, "十"), (20, "二十")) for kind in ("好评", "差评")]
+    tasks.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows), encoding="utf-8")
+    policy, rm = tiny_policy_and_rm
+    runs = {}
+    for weight in ("0", "0.1"):
+        out = tmp_path / weight
+        assert GRPO.main(["--preset", "tiny", "--verifier", "exact", "--policy", str(policy), "--reward", str(rm),
+                          "--prompts_file", str(tasks), "--val_prompts_file", str(tasks), "--output_dir", str(out),
+                          "--max_steps", "2", "--eval_examples", "4", "--rm_weight", weight]) == 0
+        logged = [json.loads(line) for line in (out / "metrics.jsonl").read_text(encoding="utf-8").splitlines()]
+        config = json.loads((out / "config.json").read_text(encoding="utf-8"))
+        runs[weight] = ((out / "model.safetensors").read_bytes(), [r for r in logged if "flat_groups" in r], config)
+    (unweighted, rows0, config0), (weighted, rows1, config1) = runs["0"], runs["0.1"]
+    assert all(r["flat_groups"] == 1.0 for r in rows0 + rows1)  # the verifier teaches nothing here
+    assert weighted != unweighted and "reward_sha256" in config1 and "reward_sha256" not in config0
+    assert all("review_quality" in r for r in rows1) and not any("review_quality" in r for r in rows0)
+
+
 def test_a_padded_position_far_from_the_reference_leaks_no_nan():
     """A padded position whose log-prob is -120 against the reference's -1 would overflow exp: the loss, its KL and
     every gradient stay finite and equal to those without that position."""
