@@ -56,7 +56,7 @@ def main(argv=None):
     args = parse_args(argv)
     torch.manual_seed(args.seed)
     tokenizer = load_tokenizer(default_path("data", "tokenizer"))
-    model = load_checkpoint(args.policy, tokenizer)[0].eval()
+    model = load_checkpoint(args.policy, "gpt", flag="--policy")[0].eval()
     tasks = [t for t in read_tasks(args.tasks, "--tasks") if args.family in (None, t["family"])]
     if args.limit:
         kept, count = [], defaultdict(int)

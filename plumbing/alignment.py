@@ -498,9 +498,10 @@ class Online:
       put its score beside the independent judge (``HeldOut``).
     * With ``--verifier`` (verifiable tasks): a checker gives 1 or 0 (``tasks.verifier_reward``), there is no
       reward model (``reward_model`` is None), and the held-out measure is exact accuracy (``TaskHeldOut``);
-      where problems ask for a 好评 and ``--reward`` holds a checkpoint, that RM (``review_model``) scores their
-      answers: on held-out problems beside the judge, and with GRPO's ``--rm_weight`` on the training problems too,
-      a second term of the reward (``review_scores``) so that a constraint is not kept by writing worse reviews.
+      where problems ask for a review and ``--reward`` holds a checkpoint, that RM (``review_model``) scores the
+      answers: those to the held-out 好评 problems beside the judge, and with GRPO's ``--rm_weight`` those to the
+      training 好评 and 差评 problems too, a second term of the reward (``review_scores``, negated on a 差评) so
+      that a constraint is not kept by writing worse reviews.
 
     Attributes: policy, ref, parent (the parent metadata the checkpoint records, with the reward's), prompts,
     held_out_prompts, reward_model, review_model, context_length, reward (``reward(prompts, responses)``, see

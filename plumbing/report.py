@@ -208,9 +208,9 @@ def family_part(family: str, stages: dict, times: dict) -> list[str]:
         sentences.append(gain_sentence(name, sft, m, f, about, metrics.get("reward_hacking")))
         weight = metrics["task_settings"].get("rm_weight", 0.0)
         if family == "instruction" and weight and "rm_score" in m:
-            sentences.append(f"  Its reward on the 好评 problems counted the RM's score too (`--rm_weight {weight:g}`, "
-                             f"beside the verifier's 1 or 0), so its RM score is not an independent check: the judge "
-                             f"is.")
+            sentences.append(f"  Its reward counted the RM's score of the reviews too (`--rm_weight {weight:g}` beside "
+                             f"the verifier's 1 or 0, negated on a 差评), so its RM score is not an independent check: "
+                             f"the judge is.")
     ran = {stage.split("-")[0] for stage in stages}
     sentences += [f"- {name.upper()} with the verifier: not run on this family by the pipeline (its time budget)."
                   for name in ("grpo", "ppo") if name not in ran]

@@ -93,8 +93,9 @@ def test_skill_section_rows_and_what_each_gain_means():
     assert "50.0% → 62.0%, **+12.0 points, 7.7 standard errors**" in text
     assert "+1.0 points (0.6 standard errors): RL gained nothing" in text
     # GRPO's reward counted the RM (--rm_weight), PPO's did not: only GRPO's RM score is said to be no check
-    said = [line for line in text.splitlines() if "counted the RM's score too (`--rm_weight 0.1`" in line]
-    assert len(said) == 1 and text.splitlines()[text.splitlines().index(said[0]) - 1].startswith("- GRPO")
+    lines = text.splitlines()
+    said = [i for i, line in enumerate(lines) if "counted the RM's score of the reviews too (`--rm_weight 0.1`" in line]
+    assert len(said) == 1 and lines[said[0] - 1].startswith("- GRPO")
     assert "500 held-out problems such as" in text and "the first 4 sampled answers of each of the 250 problems" in text
     assert "| PPO (verifier) | 10.0% ± 1.0% | 51.0% ± 1.2% | 0.20 ± 0.10 | 25.0 | 95% | — | — | — |" in text
     assert "### The sentiment" not in text  # a family the measurement does not hold gets no table
