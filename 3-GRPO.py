@@ -109,10 +109,10 @@ def parse_args(argv=None):
                         "the preset's)")
     p.add_argument("--cliprange", type=positive_float, default=0.2, help="ratio clip epsilon")
     p.add_argument("--rm_weight", type=non_negative_float,
-                   help="with --verifier: how much the reward model's (--reward) score of an answer to a review "
-                        "instruction (negated on a 差评) counts beside the verifier's 1 or 0, as an advantage relative "
-                        "to the group in units of the batch's spread (review_advantages), so that a constraint is not "
-                        "kept by writing worse reviews; 0: the verifier alone (default: the preset's)")
+                   help="with --verifier: the weight at which the reward model's (--reward) score of the answers "
+                        "to review instructions (negated on a 差评) adds its own advantage (relative to the group, "
+                        "in units of the batch's spread: review_advantages) to the verifier's, so that a constraint "
+                        "is not kept by writing worse reviews; 0: the verifier alone (default: the preset's)")
     p.add_argument("--no_eos_penalty", type=non_negative_float, default=1.0,
                    help="subtracted from the reward of a response that reaches --max_new_tokens without [SEP]")
     args = p.parse_args(argv)
@@ -257,11 +257,14 @@ def main(argv=None):
         scores = penalise_unfinished(data["scores"], data["ended"], args.no_eos_penalty)  # (B,)
         advantages, flat = group_advantages(scores, args.group_size)  # (B,), (n,)
         review = {}
-        if online.review_model is not None and args.rm_weight:  # the reviews' quality beside the constraint
+        if online.review_weight:  # the reviews' quality beside the constraint (--rm_weight)
             with accelerator.autocast():
-                quality, reviewed = online.review_scores(group_prompts, data)  # (B,), (B,)
-            advantages = advantages + args.rm_weight * review_advantages(quality, reviewed, args.group_size)
-            review = {"review_quality": quality[reviewed].mean().item()} if reviewed.any() else {}
+                quality, polarity = online.review_scores(group_prompts, data)  # (B,), (B,): +1 好评, -1 差评, 0
+            advantages = advantages + online.review_weight * review_advantages(quality, polarity != 0,
+                                                                               args.group_size)
+            rm_score = quality * polarity  # (B,) the RM's own score: higher is better on a 好评, lower on a 差评
+            review = {f"rm_score_{side}": rm_score[polarity == sign].mean().item()
+                      for side, sign in (("praise", 1), ("complaint", -1)) if (polarity == sign).any()}
 
         P, n = data["prompt_len"], len(group_prompts)
         stats = []
@@ -283,7 +286,7 @@ def main(argv=None):
         row = {"train_loss": stage.end_step(loss, tokens=int(data["attention_mask"].sum())),
                **held_out.rollout_row(data), "clip_fraction": clip_fraction, "kl_k3_per_token": kl_per_token,
                "flat_groups": flat.float().mean().item(),  # the share of groups scored alike by the verifier
-               **review}  # the RM's mean score of the reviews (negated on a 差评), when it is part of the reward
+               **review}  # the RM's mean score of the 好评 and of the 差评 answers, when it is part of the reward
         if stage.eval_due and not stage.completed:
             row.update(held_out.val_row(f"iteration {stage.step}"))
         stage.log(row, show=("score", "kl", "flat_groups"))

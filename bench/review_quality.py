@@ -24,8 +24,8 @@ import torch
 from chinese_tokenizer import EOS_ID, chat_prompt_ids, load_tokenizer
 from gpt_model import generate
 from plumbing.batching import pad_left
-from plumbing.checkpoint import load_checkpoint
-from plumbing.cli import ArgumentParser, default_path, positive_int, run
+from plumbing.checkpoint import load_checkpoint, read_config
+from plumbing.cli import ArgumentParser, UserError, default_path, positive_int, run
 from plumbing.judge import SentimentJudge, mean_and_se
 from plumbing.records import read_tasks
 from plumbing.rollouts import response_mask_after
@@ -49,6 +49,9 @@ def parse_args(argv=None):
 def measure(model, reward_model, judge, tasks, tokenizer, args) -> dict:
     """{side: {figure: per-problem means}} for the sides "好评" and "差评" of ``tasks``."""
     ctx = min(model.cfg.context_length, reward_model.cfg.context_length)
+    if args.max_new_tokens > ctx - 3:
+        raise UserError(f"--max_new_tokens {args.max_new_tokens} leaves no room for a prompt in a context of {ctx} "
+                        f"(the shorter of the policy's and --reward's); lower it")
     figures = {side: {"right": [], "chars": [], "rm": [], "judge": []} for side in ("好评", "差评")}
     for i in range(0, len(tasks), args.batch):
         batch = tasks[i:i + args.batch]
@@ -68,15 +71,32 @@ def measure(model, reward_model, judge, tasks, tokenizer, args) -> dict:
             side["chars"].append(sum(len(texts[r] or "") for r in rows) / args.samples)
             side["rm"].append(rm[j].mean().item())
             side["judge"].append(p_positive[j].mean().item())
-    return figures
+    return {side: f for side, f in figures.items() if f["rm"]}  # a side with no problems is left out
+
+
+def check_checkpoint(path: str, flag: str, reward: bool) -> None:
+    """A one-line ``UserError`` naming ``flag`` unless ``path`` holds a checkpoint of the right kind (a reward model
+    when ``reward``, else a language model): checked before anything is measured."""
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise UserError(f"{flag} {path}: no checkpoint there (no config.json); give the folder of a stage's "
+                        f"checkpoint, e.g. checkpoints/{'rm' if reward else 'sft'}")
+    if (read_config(path).get("model_type") == "reward") != reward:
+        raise UserError(f"{flag} {path} is {'not ' if reward else ''}a reward model; give the language models as "
+                        f"--policies and the RM (2-RM.py) as --reward")
 
 
 def main(argv=None):
     args = parse_args(argv)
+    tasks = [t for t in read_tasks(args.tasks, "--tasks") if review_polarity(t)]
+    if not tasks:
+        raise UserError(f"--tasks {args.tasks} holds no review instruction (a 好评 or 差评 problem of the instruction "
+                        f"family); give data/instructions/test.jsonl or another file of them")
+    check_checkpoint(args.reward, "--reward", reward=True)
+    for path in args.policies:
+        check_checkpoint(path, "--policies", reward=False)
     tokenizer = load_tokenizer(default_path("data", "tokenizer"))
     reward_model = load_checkpoint(args.reward, "reward", flag="--reward")[0].eval()
     judge = SentimentJudge()
-    tasks = [t for t in read_tasks(args.tasks, "--tasks") if review_polarity(t)]
     print(f"{len(tasks)} review instructions of {args.tasks}, {args.samples} samples each at temperature 1")
     print("| checkpoint | side | problems | kept | mean characters | RM score | judge P(positive) |")
     print("|---|---|---|---|---|---|---|")

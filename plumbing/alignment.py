@@ -320,15 +320,16 @@ class TaskHeldOut(HeldOutBase):
 
     Args: as ``HeldOutBase`` (``prompts``: the held-out problems), and verifier: the name the stage trains with
         (``--verifier``); reward_model: a frozen RM that scores the answers to the problems asking for a 好评, beside
-        the independent judge (here a monitor; GRPO's ``--rm_weight`` may also make it part of the training
-        reward, which ``settings`` records), or None.
+        the independent judge (here a monitor), or None; review_weight: the weight it had in the training reward
+        (``Online.review_weight``, GRPO's ``--rm_weight``), which ``settings`` records.
     """
     unit = "problems"
 
     def __init__(self, stage, policy, ref, tasks, tokenizer, args, context_length: int, verifier: str,
-                 reward_model=None):
+                 reward_model=None, review_weight: float = 0.0):
         super().__init__(stage, policy, ref, tasks, tokenizer, args, context_length)
         self.sft_samples, self.verifier, self.reward_model = SFT_SAMPLES, verifier, reward_model
+        self.review_weight = review_weight
         self.judge = SentimentJudge() if reward_model is not None else None
 
     @property
@@ -336,8 +337,8 @@ class TaskHeldOut(HeldOutBase):
         return {"problems": len(self.prompts), "families": sorted({t["family"] for t in self.prompts}),
                 "sft_samples": SFT_SAMPLES, "samples": self.args.eval_samples, "temperature": 1.0,
                 "max_new_tokens": self.args.max_new_tokens, "verifier": self.verifier, "rm_samples": RM_SAMPLES,
-                # how much the RM's score counted in the training reward beside the verifier (GRPO's --rm_weight)
-                "rm_weight": (getattr(self.args, "rm_weight", None) or 0.0) if self.reward_model is not None else 0.0}
+                # the weight of the RM's term in the training reward (GRPO's --rm_weight), 0 if it had none
+                "rm_weight": self.review_weight}
 
     def sample(self, samples: int):
         return measure_tasks(self.policy, self.ref, self.prompts, self.tokenizer, samples, self.args.max_new_tokens,
@@ -381,7 +382,8 @@ def add_held_out_arguments(p, stage: str) -> None:
     p.add_argument("--reward", default=default_path("checkpoints", "rm"),
                    help="reward model checkpoint (2-RM.py)" + (
                        "; with --verifier it scores the held-out answers to 好评 instructions, beside the judge (and "
-                       "in GRPO, with --rm_weight, the training answers to them too, as part of the reward)"
+                       "in GRPO, with --rm_weight, the training answers to 好评 and 差评 instructions too, as part of "
+                       "the reward)"
                        if stage != "DPO" else ": it scores the held-out answers only, DPO never trains on it"))
     if stage != "DPO":
         p.add_argument("--verifier", choices=sorted(VERIFIERS),
@@ -504,7 +506,8 @@ class Online:
       that a constraint is not kept by writing worse reviews.
 
     Attributes: policy, ref, parent (the parent metadata the checkpoint records, with the reward's), prompts,
-    held_out_prompts, reward_model, review_model, context_length, reward (``reward(prompts, responses)``, see
+    held_out_prompts, reward_model, review_model, review_weight (the weight the RM has in the reward: 0 where it has
+    none, whatever ``--rm_weight`` says), context_length, reward (``reward(prompts, responses)``, see
     ``rollouts.rollout``).
     Raises ``UserError`` (in the constructor) as ``load_policy_and_ref``, ``load_reward_model`` and ``read_prompts``,
     or when ``--rm_weight`` asks for an RM that ``--reward`` does not hold.
@@ -514,7 +517,7 @@ class Online:
         self.args, self.tokenizer, self.device = args, tokenizer, device
         self.prompts, self.held_out_prompts = read_prompts(args)
         self.policy, parent, self.ref = load_policy_and_ref(args, tokenizer, device)
-        self.review_model = None
+        self.review_model, self.review_weight = None, 0.0
         if args.verifier:
             self.reward_model, self.context_length = None, self.policy.cfg.context_length
             self.reward = verifier_reward(args.verifier, tokenizer)
@@ -524,14 +527,16 @@ class Online:
             has_rm = os.path.isfile(os.path.join(args.reward, "config.json"))
             reviews = rm_weight and any(review_polarity(t) for t in self.prompts)  # the RM in the reward
             if reviews and not has_rm:
-                raise UserError(f"--rm_weight {rm_weight} adds the reward model's score of the 好评/差评 answers to "
-                                f"the reward, but --reward {args.reward} holds no checkpoint; train 2-RM.py first, "
-                                f"point --reward at one, or give --rm_weight 0 for the verifier alone")
+                raise UserError(f"--rm_weight {rm_weight} (given, or the preset's) adds the reward model's score of "
+                                f"the 好评/差评 answers to the reward, but --reward {args.reward} holds no checkpoint; "
+                                f"train 2-RM.py first, point --reward at one, or give --rm_weight 0 for the verifier "
+                                f"alone")
             if reviews or any(asks_for_praise(t) for t in self.held_out_prompts):
                 if has_rm:
                     self.review_model = load_reward_model(args, self.policy.cfg.vocab_size, device)
                     if reviews:  # the RM is then part of the reward: the checkpoint records which one
                         self.parent.update(parent_meta(args.reward, "reward"))
+                        self.review_weight = float(rm_weight)
                 else:
                     print(f"note: no reward model in --reward {args.reward}: the held-out answers are measured by "
                           f"the verifier alone, without the RM score and the judge beside it", flush=True)
@@ -550,8 +555,9 @@ class Online:
                        context_length=self.context_length, device=self.device, critic=critic)
 
     def review_scores(self, prompts, responses):
-        """How good a review each answer of a rollout is, by the review model, and which answers are reviews: ((B,)
-        float32, 0.0 where not a review; (B,) bool). ``responses``: a rollout's dict, as every reward takes it.
+        """How good a review each answer of a rollout is, by the review model, and the polarity of its problem: ((B,)
+        float32, 0.0 where not a review; (B,) float32, +1 for a 好评, -1 for a 差评, 0 for no review; the RM's own
+        score is their product). ``responses``: a rollout's dict, as every reward takes it.
 
         The RM scores how positive a review is (its pairs put a positive review above a negative one): on a 好评
         problem that score is the answer's quality, on a 差评 its negative is (``tasks.review_polarity``); counting
@@ -559,13 +565,13 @@ class Online:
         Raises ``AttributeError`` without a ``review_model``."""
         device = responses["input_ids"].device
         polarity = torch.tensor([review_polarity(p) for p in prompts], dtype=torch.float32, device=device)  # (B,)
-        return polarity * rm_reward(self.review_model)(prompts, responses), polarity != 0
+        return polarity * rm_reward(self.review_model)(prompts, responses), polarity
 
     def held_out(self, stage, policy):
         """The held-out measurement of this reward's path for ``stage``'s (unwrapped) ``policy``."""
         if self.args.verifier:
             return TaskHeldOut(stage, policy, self.ref, self.held_out_prompts, self.tokenizer, self.args,
-                               self.context_length, self.args.verifier, self.review_model)
+                               self.context_length, self.args.verifier, self.review_model, self.review_weight)
         return HeldOut(stage, policy, self.ref, self.reward_model, self.held_out_prompts, self.tokenizer, self.args,
                        self.context_length)
 

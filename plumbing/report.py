@@ -208,9 +208,9 @@ def family_part(family: str, stages: dict, times: dict) -> list[str]:
         sentences.append(gain_sentence(name, sft, m, f, about, metrics.get("reward_hacking")))
         weight = metrics["task_settings"].get("rm_weight", 0.0)
         if family == "instruction" and weight and "rm_score" in m:
-            sentences.append(f"  Its reward counted the RM's score of the reviews too (`--rm_weight {weight:g}` beside "
-                             f"the verifier's 1 or 0, negated on a 差评), so its RM score is not an independent check: "
-                             f"the judge is.")
+            sentences.append(f"  Its reward counted the RM's score of the reviews too (negated on a 差评, its "
+                             f"advantage added at weight {weight:g} to the verifier's: `--rm_weight`), so its RM score "
+                             f"is not an independent check: the judge is.")
     ran = {stage.split("-")[0] for stage in stages}
     sentences += [f"- {name.upper()} with the verifier: not run on this family by the pipeline (its time budget)."
                   for name in ("grpo", "ppo") if name not in ran]
@@ -236,7 +236,7 @@ def gain_sentence(name: str, sft: dict, m: dict, f: str, about: dict, flag: str 
     gain, se = m[f + "pass1"] - sft[f + "pass1"], math.hypot(m[f + "pass1_se"], sft[f + "pass1_se"])
     head = f"- {name.upper()} with the verifier: sampled pass@1 {sft[f + 'pass1']:.1%} → {m[f + 'pass1']:.1%}"
     if se == 0:  # every problem scored alike (the tiny preset's smoke test): nothing to weigh the gain with
-        return head + ", with no spread across problems to tell a gain from chance."
+        return head + ", with no spread across problems to tell a gain from chance." + (f" **{flag}**" if flag else "")
     learnt, guess = about["learnt"], about["guess"]
     if guess is not None and m[f + "pass1"] - guess <= 3 * m[f + "pass1_se"]:  # no better than guessing
         learnt = f"the answers took the right form, but they are no better than a blind guess ({guess:.0%})"

@@ -2,6 +2,7 @@
 a GPU machine runs once is known to work before it gets there."""
 
 import json
+import math
 import sys
 
 import pytest
@@ -25,7 +26,8 @@ def test_the_device_check_runs_every_step_at_tiny_size(tmp_path):
     summary = results["cuda_tests"]["summary"]
     assert "failed" not in summary and "error" not in summary and ("skipped" in summary or "passed" in summary)
     assert results["pipeline"]["exit"] == 0 and (tmp_path / "report.md").is_file()
-    assert all(v["step_s"] > 0 and v["bound_s"] > 0 for k, v in results.items() if k.startswith("decode_"))
+    # a decode step is the difference of two timings: finite, but on a loaded machine it may come out <= 0
+    assert all(math.isfinite(v["step_s"]) and v["bound_s"] > 0 for k, v in results.items() if k.startswith("decode_"))
     assert table in result.stdout  # the table is printed too
 
 

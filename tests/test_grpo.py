@@ -144,8 +144,8 @@ def test_review_scores_count_the_rm_for_a_praise_and_against_it_for_a_complaint(
                {"prompt": "写一条差评，十个字以内。", "answer": "max_chars:10", "family": "instruction"},
                {"prompt": "这条评论是正面的还是负面的？“好”", "answer": "正面", "family": "sentiment"}]
     responses = {"input_ids": torch.tensor([[3, 1], [5, 1], [7, 1]]), "attention_mask": torch.ones(3, 2)}
-    scores, reviewed = Online.review_scores(types.SimpleNamespace(review_model=stand_in_rm), prompts, responses)
-    assert scores.tolist() == [3.0, -5.0, 0.0] and reviewed.tolist() == [True, True, False]
+    scores, polarity = Online.review_scores(types.SimpleNamespace(review_model=stand_in_rm), prompts, responses)
+    assert scores.tolist() == [3.0, -5.0, 0.0] and polarity.tolist() == [1.0, -1.0, 0.0]
 
 
 def test_rm_weight_needs_a_verifier_and_a_reward_model(tmp_path, tiny_policy_and_rm, capsys):
@@ -171,8 +171,8 @@ def test_rm_weight_needs_a_verifier_and_a_reward_model(tmp_path, tiny_policy_and
 @pytest.mark.slow
 def test_rm_weight_adds_the_reward_models_term_on_praise_problems(tmp_path, tiny_policy_and_rm):
     """GRPO with --verifier on 好评 and 差评 instructions that a tiny model never keeps (every group flat for the
-    verifier): with --rm_weight 0 nothing moves the policy but the KL term; with 0.1 the RM's term trains it, the
-    reviews' mean quality is logged, and the checkpoint records the RM it was rewarded by."""
+    verifier): with --rm_weight 0 nothing moves the policy but the KL term; with 0.1 the RM's term trains it, the RM's
+    mean score of each side is logged, and the checkpoint records the RM it was rewarded by and its weight."""
     tasks = tmp_path / "tasks.jsonl"
     rows = [{"prompt": f"写一条不超过{words}个字的{kind}。", "answer": f"max_chars:{n}", "family": "instruction"}
             for n, words in ((10, "十"), (20, "二十")) for kind in ("好评", "差评")]
@@ -190,7 +190,9 @@ def test_rm_weight_adds_the_reward_models_term_on_praise_problems(tmp_path, tiny
     (unweighted, rows0, config0), (weighted, rows1, config1) = runs["0"], runs["0.1"]
     assert all(r["flat_groups"] == 1.0 for r in rows0 + rows1)  # the verifier teaches nothing here
     assert weighted != unweighted and "reward_sha256" in config1 and "reward_sha256" not in config0
-    assert all("review_quality" in r for r in rows1) and not any("review_quality" in r for r in rows0)
+    assert all("rm_score_praise" in r and "rm_score_complaint" in r for r in rows1)
+    assert not any("rm_score_praise" in r for r in rows0)
+    assert [c["metrics"]["task_settings"]["rm_weight"] for c in (config0, config1)] == [0, 0.1]
 
 
 def test_a_padded_position_far_from_the_reference_leaks_no_nan():

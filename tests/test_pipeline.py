@@ -94,15 +94,16 @@ def test_skill_section_rows_and_what_each_gain_means():
     assert "+1.0 points (0.6 standard errors): RL gained nothing" in text
     # GRPO's reward counted the RM (--rm_weight), PPO's did not: only GRPO's RM score is said to be no check
     lines = text.splitlines()
-    said = [i for i, line in enumerate(lines) if "counted the RM's score of the reviews too (`--rm_weight 0.1`" in line]
+    said = [i for i, line in enumerate(lines) if "its advantage added at weight 0.1 to the verifier's" in line]
     assert len(said) == 1 and lines[said[0] - 1].startswith("- GRPO")
     assert "500 held-out problems such as" in text and "the first 4 sampled answers of each of the 250 problems" in text
     assert "| PPO (verifier) | 10.0% ± 1.0% | 51.0% ± 1.2% | 0.20 ± 0.10 | 25.0 | 95% | — | — | — |" in text
     assert "### The sentiment" not in text  # a family the measurement does not hold gets no table
     assert report.skill_section({"grpo": {"held_out": {}}}) == []  # no verifiable stage ran
     flat = {"grpo-tasks": {"tasks": {"sft": task_monitors(0.0, 0.0), "grpo": task_monitors(0.0, 0.0)},
-                           "task_settings": settings, "reward_hacking": ""}}
-    assert "no spread across problems" in "\n".join(report.skill_section(flat))  # the tiny preset: every SE 0
+                           "task_settings": settings, "reward_hacking": "worse reviews: the judge on 好评 fell"}}
+    flat_text = "\n".join(report.skill_section(flat))  # the tiny preset: every SE 0, and its flag still shown
+    assert "no spread across problems to tell a gain from chance. **worse reviews: the judge" in flat_text
 
 
 def test_skill_section_gives_each_family_its_own_table_and_figures():
