@@ -68,7 +68,7 @@ DEFAULTS["uer-gpt2-chinese"] = DEFAULTS["gpt2-zh-small"]  # uer's weights are th
 # (a limit is at most 60 characters, and a token is at least one); eval_examples = held-out problems (the whole test
 # split), eval_samples = samples per problem for the aligned policy's sampled pass@1. demo: 24 iterations of 16
 # prompts x 8 at 1e-4 (bench/README.md, "RL teaches the review instructions": +12 and +15 points held-out at KL 1.8
-# on two seeds; 16 iterations gave +9.9, and 16 at 1.5e-4 +16.5 at KL 3.6 with a lower RM score); rm_weight 0.1:
+# on two seeds; 16 iterations gave +9.9, and 16 at 1.5e-4 +16.5 at KL 3.6 with a lower RM score); rm_weight 0.2:
 # the verifier alone lowered the 好评's RM score in 3 of 4 pipeline runs; 0.1 (on 好评 alone) raised it on one seed and
 # lowered it on the other; 0.2 on 好评 alone raised RM score and judge on both seeds but made the 差评 more positive;
 # 0.2 with the 差评's score negated kept both (bench/README.md "Keeping the reviews")
