@@ -749,7 +749,9 @@ def next_token(logits, idx, temperature: float, top_k=None, top_p=None, repetiti
         logits = apply_repetition_penalty(logits, idx, repetition_penalty)
     if temperature == 0.0:
         return logits.argmax(dim=-1)  # (B,)
-    probs = torch.softmax(filter_logits(logits / temperature, top_k, top_p), dim=-1)  # (B, V)
+    if temperature != 1.0:  # at 1 the division would be a full pass over (B, V) that changes nothing
+        logits = logits / temperature
+    probs = torch.softmax(filter_logits(logits, top_k, top_p), dim=-1)  # (B, V)
     return sample_from(probs)  # (B,)
 
 

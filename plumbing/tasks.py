@@ -60,7 +60,8 @@ def answer_text(ids: list[int], tokenizer) -> str | None:
     """The text of an answer's token ids (up to, not including, its ``[SEP]``), or None when a special token stands
     in it: ``decode`` would drop a stray ``[CLS]``, ``[ANS]``, ``[PAD]`` or ``[MASK]`` and let "六[ANS]三二" pass for
     "六三二", which is not the answer."""
-    if any(i in tokenizer.all_special_ids for i in ids):
+    special = set(tokenizer.all_special_ids)  # a property that rebuilds its list: read it once per answer
+    if any(i in special for i in ids):
         return None
     return decode(ids, tokenizer)
 
