@@ -66,17 +66,18 @@ DEFAULTS = {
 DEFAULTS["uer-gpt2-chinese"] = DEFAULTS["gpt2-zh-small"]  # uer's weights are that size (12 x 768): one recipe
 # --verifier: the review instructions ("写一条不超过二十个字的好评。", data/instructions/), answers of up to 64 tokens
 # (a limit is at most 60 characters, and a token is at least one); eval_examples = held-out problems (the whole test
-# split), eval_samples = samples per problem for the aligned policy's sampled pass@1. demo: 24 iterations of 16
-# prompts x 8 at 1e-4 (bench/README.md, "RL teaches the review instructions": +12 and +15 points held-out at KL 1.8
-# on two seeds; 16 iterations gave +9.9, and 16 at 1.5e-4 +16.5 at KL 3.6 with a lower RM score); rm_weight 0.2:
+# split), eval_samples = samples per problem for the aligned policy's sampled pass@1. demo: 20 iterations of 16
+# prompts x 8 at 1e-4 (bench/README.md, "RL teaches the review instructions": 24 gave +12 and +15 points held-out at
+# KL 1.8 on two seeds, 16 gave +9.9, and 16 at 1.5e-4 +16.5 at KL 3.6 with a lower RM score; 20 fit the pipeline's
+# bf16 budget, "The pipeline's wall time", as do 2 samples per held-out problem); rm_weight 0.2:
 # the verifier alone lowered the 好评's RM score in 3 of 4 pipeline runs; 0.1 (on 好评 alone) raised it on one seed and
 # lowered it on the other; 0.2 on 好评 alone raised RM score and judge on both seeds but made the 差评 more positive;
 # 0.2 with the 差评's score negated kept both (bench/README.md "Keeping the reviews")
 TASK_DEFAULTS = {
     "tiny": dict(max_steps=4, rollout_size=4, group_size=4, batch_size=16, learning_rate=1e-4, warmup_steps=0,
                  eval_every=4, eval_examples=8, max_new_tokens=8, eval_samples=2, kl_coef=0.04, rm_weight=0.2),
-    "demo": dict(max_steps=24, rollout_size=16, group_size=8, batch_size=64, learning_rate=1e-4, warmup_steps=2,
-                 eval_every=24, eval_examples=500, max_new_tokens=64, eval_samples=4, kl_coef=0.04, rm_weight=0.2),
+    "demo": dict(max_steps=20, rollout_size=16, group_size=8, batch_size=64, learning_rate=1e-4, warmup_steps=2,
+                 eval_every=20, eval_examples=500, max_new_tokens=64, eval_samples=2, kl_coef=0.04, rm_weight=0.2),
     "gpt2-zh-small": dict(max_steps=200, rollout_size=32, group_size=8, batch_size=64, learning_rate=1e-6,
                           warmup_steps=10, eval_every=50, eval_examples=500, max_new_tokens=64, eval_samples=4,
                           save_every=50, kl_coef=0.04, rm_weight=0.2),
