@@ -215,7 +215,7 @@ def family_part(family: str, stages: dict, times: dict) -> list[str]:
     sentences += [f"- {name.upper()} with the verifier: not run on this family by the pipeline (its time budget)."
                   for name in ("grpo", "ppo") if name not in ran]
     count = f"{int(sft[f + 'problems'])} " if f + "problems" in sft else ""
-    judge_note = (f" RM score and judge, as in the table above: the first {settings.get('rm_samples', '?')} sampled "
+    judge_note = (f" RM score and judge, as in the table above: the first {judged_answers(settings)} sampled "
                   f"answers of each of the {int(sft.get('praise_problems', 0))} problems that ask for a 好评 (both "
                   f"score how positive a review is, so on a 差评 the higher score would be the worse answer): keeping "
                   f"a limit must not be bought with worse reviews." if family == "instruction" and "rm_score" in sft
@@ -227,6 +227,15 @@ def family_part(family: str, stages: dict, times: dict) -> list[str]:
               f"temperature {settings['temperature']:g}, up to {settings['max_new_tokens']} tokens." + judge_note, "",
             markdown_table(("model", "greedy", "sampled pass@1", "KL", "mean length", "ends with [SEP]", "RM score",
                             "judge", "wall time"), rows).rstrip("\n"), ""] + sentences + [""]
+
+
+def judged_answers(settings: dict) -> str:
+    """How many of each 好评 problem's sampled answers the RM and the judge scored (``tasks.RM_SAMPLES`` at most, and no
+    more than were drawn): "4", or "4 (2 for the aligned models)" when the aligned models drew fewer than the SFT."""
+    if "rm_samples" not in settings:
+        return "?"
+    sft, aligned = (min(settings["rm_samples"], settings[k]) for k in ("sft_samples", "samples"))
+    return f"{sft}" if sft == aligned else f"{sft} ({aligned} for the aligned models)"
 
 
 def gain_sentence(name: str, sft: dict, m: dict, f: str, about: dict, flag: str | None) -> str:

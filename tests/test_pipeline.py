@@ -97,6 +97,9 @@ def test_skill_section_rows_and_what_each_gain_means():
     said = [i for i, line in enumerate(lines) if "its advantage added at weight 0.1 to the verifier's" in line]
     assert len(said) == 1 and lines[said[0] - 1].startswith("- GRPO")
     assert "500 held-out problems such as" in text and "the first 4 sampled answers of each of the 250 problems" in text
+    # aligned models that drew 2 answers a problem were judged on those 2: the card says so, not "the first 4"
+    fewer = {stage: {**m, "task_settings": {**m["task_settings"], "samples": 2}} for stage, m in metrics.items()}
+    assert "the first 4 (2 for the aligned models) sampled answers" in "\n".join(report.skill_section(fewer))
     assert "| PPO (verifier) | 10.0% ± 1.0% | 51.0% ± 1.2% | 0.20 ± 0.10 | 25.0 | 95% | — | — | — |" in text
     assert "### The sentiment" not in text  # a family the measurement does not hold gets no table
     assert report.skill_section({"grpo": {"held_out": {}}}) == []  # no verifiable stage ran
