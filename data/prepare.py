@@ -63,7 +63,7 @@ from pathlib import Path
 SCRIPT_DIR = Path(__file__).resolve().parent
 sys.path.insert(0, str(SCRIPT_DIR))  # the package prep/ beside this script, also when a test imports this file
 
-from prep.instructions import build_instructions  # noqa: E402
+from prep.instructions import build_instructions, quoted_review  # noqa: E402
 from prep.outputs import build_tokenizer_dir, expected_build, outputs_current, tokenizer_ready, write_outputs  # noqa: E402
 from prep.pairs import chat_pairs, definition_pairs, split_sft, xiehouyu_pairs  # noqa: E402
 from prep.parsers import (  # noqa: E402
@@ -75,11 +75,16 @@ from prep.parsers import (  # noqa: E402
 )
 from prep.reviews import build_reviews  # noqa: E402
 from prep.sources import CORE_SOURCES, SOURCES, Archive, PrepareError, fetch, parse_source  # noqa: E402
-from prep.splits import count_near_duplicates, dedupe, split_documents  # noqa: E402
+from prep.splits import NearDupIndex, dedupe, split_documents  # noqa: E402
 from prep.verifiable import TASK_SEED, build_tasks  # noqa: E402
 
 # The share of pretraining documents held out for validation (the other splits are in pairs and reviews).
 PRETRAIN_VAL = 0.04
+# The files a stage trains on (pretraining, SFT, the RM's pairs, PPO's prompts, the verifiable families' training
+# problems and SFT examples); a held-out problem must have no near-duplicate in any of them.
+TRAINED_ON = ("pretrain/train.jsonl", "sft/train.jsonl", "rm/train.jsonl", "ppo/prompts.jsonl",
+              "instructions/train.jsonl", "instructions/sft.jsonl", "sentiment/train.jsonl", "sentiment/sft.jsonl",
+              "tasks/train.jsonl", "tasks/sft.jsonl")
 
 
 def pretraining_documents(archives: dict, with_poetry: bool) -> tuple[list[str], list[str], list[str]]:
@@ -143,6 +148,31 @@ def data_files(pretrain: dict, sft: dict, reviews: dict, tasks: dict, instructio
     }
 
 
+def held_out_texts(files: dict[str, list[dict]]) -> dict[str, list[str]]:
+    """The text of each held-out problem, by file: the RM's test and val reviews, the reviews the sentiment problems
+    quote (``quoted_review``), and the prompts of the instructions' and the tasks' test and val problems."""
+    texts = {}
+    for split in ("test", "val"):
+        texts[f"rm/{split}.jsonl"] = [r[k] for r in files[f"rm/{split}.jsonl"] for k in ("chosen", "rejected")]
+        texts[f"sentiment/{split}.jsonl"] = [quoted_review(r["prompt"]) for r in files[f"sentiment/{split}.jsonl"]]
+        for family in ("instructions", "tasks"):
+            texts[f"{family}/{split}.jsonl"] = [r["prompt"] for r in files[f"{family}/{split}.jsonl"]]
+    return texts
+
+
+def held_out_near_duplicates(files: dict[str, list[dict]]) -> dict[str, dict[str, int]]:
+    """held-out file -> training file -> how many of its problems (``held_out_texts``) have a near-duplicate among
+    the training file's texts (every field of every record; ``splits.NearDupIndex``). All 0 when nothing held out
+    was trained on."""
+    held_out = held_out_texts(files)
+    counts = {rel: {} for rel in held_out}
+    for train in TRAINED_ON:
+        index = NearDupIndex([v for r in files[train] for v in r.values()])
+        for rel, texts in held_out.items():
+            counts[rel][train] = sum(bool(index.matches(t)) for t in texts)
+    return counts
+
+
 def build_all(data_dir: Path, cache_dir: Path, with_poetry: bool, log, rebuild_tokenizer: bool = False) -> dict:
     """Fetch, clean, split and write everything; returns the manifest it wrote.
 
@@ -164,14 +194,14 @@ def build_all(data_dir: Path, cache_dir: Path, with_poetry: bool, log, rebuild_t
     families, convs, reviews = sft_families(archives)
     sft = split_sft(families)
     tasks = build_tasks()  # not in sft/ yet: the demo SFT does not learn them within its budget (bench/README.md)
-    instructions = build_instructions(reviews["ppo_reviews"], set(reviews["sft_units"]))  # reviews no prompt used
+    # the reviews no prompt used for training, and the RM's held-out ones for the held-out problems
+    instructions = build_instructions(reviews["ppo_reviews"], reviews["held_out_reviews"], set(reviews["sft_units"]))
     files = data_files(pretrain, sft, reviews, tasks, instructions)
 
-    # --- the RM test reviews must have no near-duplicate in any other file
-    test_reviews = [r[k] for r in files["rm/test.jsonl"] for k in ("chosen", "rejected")]
-    near_duplicates = {rel: count_near_duplicates(test_reviews, [v for r in records for v in r.values()])
-                       for rel, records in files.items() if rel != "rm/test.jsonl"}
-    log("near-duplicates of the RM test reviews: " + ", ".join(f"{rel} {n}" for rel, n in near_duplicates.items()))
+    # --- no held-out problem may have a near-duplicate in a file any stage trains on
+    near_duplicates = held_out_near_duplicates(files)
+    log("near-duplicates of the held-out problems in the training files: " +
+        ", ".join(f"{rel} {sum(n.values())}" for rel, n in near_duplicates.items()))
 
     # --- write: tokenizer, data files, then the manifest last (it marks the outputs as complete)
     counts = {
@@ -182,7 +212,7 @@ def build_all(data_dir: Path, cache_dir: Path, with_poetry: bool, log, rebuild_t
         **{f"{f}_{split}": len(rows) for f, splits in instructions.items() for split, rows in splits.items()},
     }
     manifest = {"build": expected_build(with_poetry), "sources": sources_meta, "source_counts": counts,
-                "rm_test_near_duplicates": near_duplicates}
+                "held_out_near_duplicates": near_duplicates}
     return write_outputs(data_dir, cache_dir, files, manifest, log, rebuild_tokenizer)
 
 

@@ -8,7 +8,8 @@ falls while the proxy score keeps rising). So every aligned model is also judged
 * ``SentimentJudge``: the sentiment classifier that ships in ``snownlp`` 0.12.3, a naive Bayes over words
   (snownlp's own word segmenter, stop words removed). It answers P(positive) in [0, 1] for a text.
 * monitors, pure functions of the responses' token ids: ``distinct_n``, ``longest_repeat``, ``eos_share``,
-  ``mean_length``; and ``mean_and_se`` for the spread of any per-response score.
+  ``mean_length``; ``mean_and_se`` for the spread of any per-response score, and ``rank_correlation`` for
+  whether one figure follows another.
 * ``summarize``: all of them for one set of responses, as the dict that 3-PPO.py logs and stores.
 * ``reward_hacking_flag``: one plain sentence when the monitors of SFT -> aligned model look like hacking.
 * ``best_of_n_kl``: the KL of best-of-n sampling to its base policy (the no-training baseline's KL column).
@@ -114,6 +115,37 @@ def mean_and_se(values) -> tuple[float, float]:
         return mean, 0.0
     var = sum((v - mean) ** 2 for v in values) / (n - 1)
     return mean, math.sqrt(var / n)
+
+
+def ranks(values) -> list[float]:
+    """The rank of each value, 1 for the smallest; tied values share the mean of their ranks ([5, 1, 5] ->
+    [2.5, 1, 2.5])."""
+    order = sorted(range(len(values)), key=lambda i: values[i])
+    out = [0.0] * len(values)
+    start = 0
+    while start < len(order):
+        end = start
+        while end + 1 < len(order) and values[order[end + 1]] == values[order[start]]:
+            end += 1
+        for i in order[start:end + 1]:
+            out[i] = (start + end) / 2 + 1
+        start = end + 1
+    return out
+
+
+def rank_correlation(x, y) -> tuple[float, float]:
+    """(Spearman's rank correlation of ``x`` and ``y``, its standard error): the Pearson correlation of their
+    ``ranks`` (Spearman 1904), in [-1, 1], 0 when either is constant; the SE is sqrt((1 - rho^2) / (n - 2)), the
+    one of a correlation's t-test, an approximation for ranks that holds from about 10 pairs. Raises ``ValueError``
+    for fewer than 3 pairs or lists of different lengths."""
+    if len(x) != len(y) or len(x) < 3:
+        raise ValueError(f"a rank correlation needs 3 or more pairs, got {len(x)} and {len(y)} values")
+    rx, ry = ranks(list(x)), ranks(list(y))
+    mx, my = sum(rx) / len(rx), sum(ry) / len(ry)
+    sxy = sum((a - mx) * (b - my) for a, b in zip(rx, ry))
+    sxx, syy = sum((a - mx) ** 2 for a in rx), sum((b - my) ** 2 for b in ry)
+    rho = sxy / math.sqrt(sxx * syy) if sxx and syy else 0.0
+    return rho, math.sqrt(max(0.0, 1 - rho * rho) / (len(rx) - 2))
 
 
 def summarize(responses, ended, rm_scores, judge_scores, kl=None, entropy=None) -> dict:

@@ -26,6 +26,7 @@ from plumbing.flops import format_utilisation, utilisation
 from plumbing.hf_weights import CLASSES, architecture_for
 from plumbing.judge import best_of_n_kl, distinct_n, longest_repeat, reward_hacking_flag
 from plumbing.markdown import markdown_table
+from plumbing.tasks import LIMIT_BANDS
 
 ALIGNED = ("ppo", "dpo", "grpo")  # the three alignment stages, each from the SFT model, measured alike
 # the verifiable path: GRPO and PPO from the same SFT model, rewarded by the strict checker on the review
@@ -142,13 +143,15 @@ def held_out_section(metrics: dict, best_of_n: dict | None = None, times: dict |
 SKILL_FAMILIES = {
     "instruction": dict(heading="Review instructions on held-out limits", example="“写一条不超过二十个字的好评。”",
                         held_out="`data/instructions/test.jsonl`, whose limits no training instruction holds",
-                        right="it ended with [SEP], keeps the limit, and reads as a review (8-120 characters, other "
-                              "Chinese characters than a repeated phrase)",
-                        learnt="it learnt to keep limits it never trained on", guess=None),
+                        right="it ended with [SEP], keeps the limit, reads as a review (8-120 characters, other "
+                              "Chinese characters than a repeated phrase) and does not copy the instruction (half of "
+                              "its characters in order)",
+                        learnt="it keeps more limits it never trained on", guess=None),
     "sentiment": dict(heading="The sentiment of held-out reviews",
                       example="“这条评论是正面的还是负面的？“只能说是一般般了””",
-                      held_out="`data/sentiment/test.jsonl`, whose reviews are in no training prompt and no SFT "
-                               "answer, half 正面 (positive) and half 负面",
+                      held_out="`data/sentiment/test.jsonl`, whose reviews are taken from the RM's test reviews, "
+                               "which no stage trains on (not the RM's pairs, SFT or any prompt), half 正面 (positive) "
+                               "and half 负面",
                       right="it ended with [SEP] and is the review's label, 正面 or 负面, and nothing else",
                       learnt="it learnt to tell the sentiment of reviews it never saw labelled", guess=0.5),
 }
@@ -205,7 +208,8 @@ def family_part(family: str, stages: dict, times: dict) -> list[str]:
         rows.append((f"{name.upper()} (verifier)", pct(m, f + "greedy"), pct(m, f + "pass1"),
                      f"{m[f + 'kl']:.2f} ± {m[f + 'kl_se']:.2f}", f"{m[f + 'length']:.1f}",
                      f"{m[f + 'eos_share']:.0%}", *judged(m), f"{times[stage]:.0f} s" if stage in times else "—"))
-        sentences.append(gain_sentence(name, sft, m, f, about, metrics.get("reward_hacking")))
+        sentences.append(gain_sentence(name, sft, m, f, dict(about, learnt=what_was_learnt(family, sft, m, about)),
+                                       metrics.get("reward_hacking")))
         weight = metrics["task_settings"].get("rm_weight", 0.0)
         if family == "instruction" and weight and "rm_score" in m:
             sentences.append(f"  Its reward counted the RM's score of the reviews too (negated on a 差评, its "
@@ -226,7 +230,51 @@ def family_part(family: str, stages: dict, times: dict) -> list[str]:
             + f" Sampled: {settings['samples']} answers per problem ({settings['sft_samples']} for SFT) at "
               f"temperature {settings['temperature']:g}, up to {settings['max_new_tokens']} tokens." + judge_note, "",
             markdown_table(("model", "greedy", "sampled pass@1", "KL", "mean length", "ends with [SEP]", "RM score",
-                            "judge", "wall time"), rows).rstrip("\n"), ""] + sentences + [""]
+                            "judge", "wall time"), rows).rstrip("\n"), ""] + sentences + [""] \
+        + (length_part(sft, {stage.split("-")[0]: m["tasks"][stage.split("-")[0]] for stage, m in stages.items()})
+           if family == "instruction" else [])
+
+
+def length_part(sft: dict, aligned: dict) -> list[str]:
+    """Markdown lines: the mean answer length in characters by band of the limit N (``tasks.LIMIT_BANDS``) for SFT
+    and each aligned model ({name: its task monitors}), with the rank correlation of N with the length over the
+    held-out limits: the evidence for what a gain on "at most N" is (``what_was_learnt``). Nothing when SFT's
+    measurement has no lengths (a run from before they were measured)."""
+    if "instruction_length_rho" not in sft:
+        return []
+    bands = [(lo, hi) for lo, hi in LIMIT_BANDS if f"instruction_chars_{lo}_{hi}" in sft]
+    rows = []
+    for name, m in (("SFT", sft), *((n.upper() + " (verifier)", m) for n, m in aligned.items())):
+        rows.append((name, *(fmt(m.get(f"instruction_chars_{lo}_{hi}"), ".1f") for lo, hi in bands),
+                     f"{m['instruction_chars']:.1f} ± {m['instruction_chars_se']:.1f}",
+                     f"{m['instruction_length_rho']:+.2f} ± {m['instruction_length_rho_se']:.2f}"
+                     if "instruction_length_rho" in m else "—"))
+    return ["Does the answer's length follow the limit? Mean length in characters of the sampled answers, by the "
+            "limit N asked for, and the rank correlation of N with the mean length over the "
+            f"{int(sft['instruction_limits'])} held-out limits (± one standard error; a model that reads N writes "
+            "longer when N is larger, one that writes short keeps more limits at every N alike):", "",
+            markdown_table(("model", *(f"N {lo}-{hi}" for lo, hi in bands), "all", "rank correlation with N"),
+                           rows).rstrip("\n"), ""]
+
+
+def what_was_learnt(family: str, sft: dict, m: dict, about: dict) -> str:
+    """What a gain on the family means, from the evidence: for the instructions, "it reads the limit" only when its
+    answers' length rises with N (rank correlation above two standard errors), "it keeps more limits by writing
+    shorter" when its length does not follow N and fell by more than two standard errors, else that the length
+    explains neither; for another family, or without lengths, ``about["learnt"]``."""
+    if family != "instruction" or "instruction_length_rho" not in m or "instruction_chars" not in sft:
+        return about["learnt"]
+    rho, se = m["instruction_length_rho"], m["instruction_length_rho_se"]
+    follows = f"rank correlation of N with the length {rho:+.2f} ± {se:.2f}"
+    if rho > 2 * se:
+        return f"it reads the limit: its answers grow with N ({follows})"
+    before, after = sft["instruction_chars"], m["instruction_chars"]
+    spread = math.hypot(sft["instruction_chars_se"], m["instruction_chars_se"])
+    if before - after > 2 * spread:
+        return (f"it keeps more limits by writing shorter ({before:.1f} → {after:.1f} characters), not by reading "
+                f"the limit: its length does not follow N ({follows})")
+    return (f"it keeps more limits, though its length neither follows N ({follows}) nor fell beyond noise "
+            f"({before:.1f} → {after:.1f} characters)")
 
 
 def judged_answers(settings: dict) -> str:

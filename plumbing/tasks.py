@@ -10,7 +10,9 @@ and exact accuracy on held-out problems.
   all; KL to the reference, length, the share of answers that end and of empty ones, and the lax checker's
   accuracy beside the strict one (a gap between them is an answer that holds the right text among other text);
   given a reward model, the RM score and the judge of the answers to the problems that ask for a 好评
-  (``asks_for_praise``): what the verifier cannot see, whether a constraint was kept by writing worse reviews.
+  (``asks_for_praise``): what the verifier cannot see, whether a constraint was kept by writing worse reviews;
+  and whether the answers' length follows the limit asked for (``length_by_limit``): what a gain on "at most N"
+  is, reading N or writing shorter.
 * ``task_rollout_row``, ``describe_tasks``, ``write_task_samples``: what ``alignment.TaskHeldOut`` (this path's
   held-out measurement, on the base it shares with the preference path's ``HeldOut``) logs, prints and writes.
 * ``task_hacking_flag``: a verifier can be gamed too (empty answers, answers that never end, format tricks): one
@@ -29,7 +31,7 @@ from gpt_model import generate
 from plumbing.batching import pad_left
 from plumbing.checkpoint import weights_digest
 from plumbing.devices import forked_rng
-from plumbing.judge import mean_and_se
+from plumbing.judge import mean_and_se, rank_correlation
 from plumbing.markdown import markdown_table
 from plumbing.rollouts import (
     kl_per_response,
@@ -37,7 +39,7 @@ from plumbing.rollouts import (
     response_mask_after,
     response_token_lists,
 )
-from plumbing.verifiers import FAMILIES, VERIFIERS, check, contains
+from plumbing.verifiers import FAMILIES, VERIFIERS, check, contains, parse_instruction
 
 
 def verifier_reward(name: str, tokenizer):
@@ -50,7 +52,7 @@ def verifier_reward(name: str, tokenizer):
 
     def reward(tasks, responses):
         texts = [answer_text(ids, tokenizer) for ids in response_token_lists(responses)]
-        right = [bool(ended) and text is not None and verifier(t["family"], text, t["answer"])
+        right = [bool(ended) and text is not None and verifier(t["family"], text, t["answer"], t["prompt"])
                  for t, text, ended in zip(tasks, texts, responses["ended"].tolist())]
         return torch.tensor(right, dtype=torch.float32, device=responses["input_ids"].device)
     return reward
@@ -72,6 +74,44 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     if n - c < k:
         return 1.0
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+LIMIT_BANDS = ((10, 19), (20, 29), (30, 39), (40, 49), (50, 60))  # the card's bands of "at most N characters"
+
+
+def length_by_limit(tasks, chars, samples: int) -> dict:
+    """Whether the answers' length follows the limit asked for: the monitors of the "at most N characters"
+    problems among ``tasks``, from ``chars`` (the character count of each sampled answer, ``samples`` rows per
+    problem in order; None for an answer with a special token in it). A model that reads N writes longer when N is
+    larger; one that only learnt to write short keeps more limits at every N alike.
+
+    Returns:
+        {} when no such problem; else ``instruction_chars`` with ``_se`` (the mean answer length in characters,
+        SE over problems), ``instruction_chars_{lo}_{hi}`` for each band of ``LIMIT_BANDS`` that holds a limit,
+        and over the distinct limits (the unit the held-out split is drawn in) ``instruction_length_rho`` with
+        ``_se``, the rank correlation of N with its answers' mean length (``judge.rank_correlation``; from 3
+        limits), and ``instruction_limits``.
+    """
+    per_limit, per_problem = {}, []
+    for i, task in enumerate(tasks):
+        kind, argument = parse_instruction(task["answer"]) if task["family"] == "instruction" else ("", "")
+        counts = [c for c in chars[i * samples:(i + 1) * samples] if c is not None]
+        if kind == "max_chars" and counts:
+            per_limit.setdefault(int(argument), []).extend(counts)
+            per_problem.append(sum(counts) / len(counts))
+    if not per_problem:
+        return {}
+    out = dict(zip(("instruction_chars", "instruction_chars_se"), mean_and_se(per_problem)))
+    for lo, hi in LIMIT_BANDS:
+        band = [c for n, counts in per_limit.items() if lo <= n <= hi for c in counts]
+        if band:
+            out[f"instruction_chars_{lo}_{hi}"] = sum(band) / len(band)
+    limits = sorted(per_limit)
+    if len(limits) >= 3:
+        means = [sum(per_limit[n]) / len(per_limit[n]) for n in limits]
+        out["instruction_length_rho"], out["instruction_length_rho_se"] = rank_correlation(limits, means)
+        out["instruction_limits"] = float(len(limits))
+    return out
 
 
 TASK_BATCH = 64  # problems per generate call of the measurement (x its samples per problem rows)
@@ -107,6 +147,7 @@ def measure_tasks(policy, ref, tasks, tokenizer, samples: int, max_new_tokens: i
         ``{scope}_eos_share`` and ``{scope}_kl`` with ``_se``; over all again without the prefix: ``kl`` and
         ``kl_se`` (nats per response, from the first sample of each problem against ``ref``; exactly 0 when the two
         are the same weights), ``length`` (tokens), ``eos_share``, ``empty_share``, ``problems``, ``samples``;
+        for the "at most N" instructions, the length of the answers by limit (``length_by_limit``);
         given ``reward_model`` and ``judge`` (``judge.SentimentJudge``) and problems that ``asks_for_praise``:
         ``rm_score``, ``judge`` (P(positive)), each with ``_se`` over those problems (the mean of their first
         ``RM_SAMPLES`` sampled answers each), and ``praise_problems``. examples: the first problems' greedy answers.
@@ -139,13 +180,14 @@ def generated_answers(sequences, prompt_len: int, tokenizer):
 def solved(task: dict, text: str | None, ended) -> bool:
     """The strict checker's verdict on one generated answer (``generated_answers``): ended with ``[SEP]``, no
     special token in it (``text`` not None), and right by ``verifiers.check``."""
-    return bool(ended) and text is not None and check(task["family"], text, task["answer"])
+    return bool(ended) and text is not None and check(task["family"], text, task["answer"], task["prompt"])
 
 
 def _measure(policy, ref, tasks, tokenizer, samples, max_new_tokens, context_length, device, verifier, same,
              reward_model=None, judge=None):
     lax_check = contains if verifier == "exact" else VERIFIERS[verifier]
     greedy, sampled, lax, kl, lengths, ended_all, empty, examples = [], [], [], [], [], [], [], []
+    chars = []  # per sampled answer: its length in characters, what a limit counts
     rm_scores, judged = [], []  # per 好评 problem: the mean over its first RM_SAMPLES answers
     for start in range(0, len(tasks), TASK_BATCH):
         batch = tasks[start:start + TASK_BATCH]
@@ -163,9 +205,10 @@ def _measure(policy, ref, tasks, tokenizer, samples, max_new_tokens, context_len
         per_row = [t for t in batch for _ in range(samples)]  # the task of each sampled row
         rows = list(zip(per_row, texts, ended))
         sampled += [[solved(t, x, e) for t, x, e in rows[i:i + samples]] for i in range(0, len(rows), samples)]
-        lax += [[x is not None and lax_check(t["family"], x, t["answer"]) for t, x, e in rows[i:i + samples]]
-                for i in range(0, len(rows), samples)]
+        lax += [[x is not None and lax_check(t["family"], x, t["answer"], t["prompt"])
+                 for t, x, e in rows[i:i + samples]] for i in range(0, len(rows), samples)]
         lengths += length
+        chars += [None if x is None else len(x) for x in texts]
         ended_all += ended
         empty += [x == "" for x in texts]
         if reward_model is not None:
@@ -211,6 +254,7 @@ def _measure(policy, ref, tasks, tokenizer, samples, max_new_tokens, context_len
     monitors["kl"], monitors["kl_se"] = mean_and_se(kl)
     monitors.update(length=sum(lengths) / len(lengths), eos_share=sum(ended_all) / len(ended_all),
                     empty_share=sum(empty) / len(empty), problems=float(len(tasks)), samples=float(samples))
+    monitors.update(length_by_limit(tasks, chars, samples))
     if rm_scores:
         monitors["rm_score"], monitors["rm_score_se"] = mean_and_se(rm_scores)
         monitors["judge"], monitors["judge_se"] = mean_and_se(judged)

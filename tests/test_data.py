@@ -82,15 +82,15 @@ PINNED_SHA256 = {
     "rm/test.jsonl": "435e5def17d299b4fa8e6d570dab2f68c16b9379153bce8349d9051931722ae3",
     "rm/train.jsonl": "3e35181e0549eed95f0db3d79df70dc1785000962d909f43464136c998ad25f0",
     "rm/val.jsonl": "7e67263bf47694e6bf38405ab5059e3131606ca65f50490aa1c96b34518de471",
-    "sentiment/sft.jsonl": "9b4845745c180cd5a6c6e6115a682e92a0ffb3224e52ca57f1b5b8498cf00cea",
-    "sentiment/test.jsonl": "cfbe0bce51e0dd9e0a2c5c13f414b1e447f64f52adf1cb8b51d37ab7b3709e59",
-    "sentiment/train.jsonl": "3bee1118f30e91298da2c3db1157254ac8c7969bf5f8130c8f238153b2b8382e",
-    "sentiment/val.jsonl": "2f9b34c81939eb5b4f186ad6a20192785203110e6ded56b7d01fbc1c189a0c58",
+    "sentiment/sft.jsonl": "c405b1021b6888de90dc50e27f28bb19d3b9206ce12df46ad951e6760bb9720c",
+    "sentiment/test.jsonl": "a51e1969131f843af43e5cfee1af24b50b54e19917054ada8744cbffc4d96785",
+    "sentiment/train.jsonl": "8933a7f2a37c78fa37fbc6389de55832a71dc59e6018247feb195ea09823eb4a",
+    "sentiment/val.jsonl": "15b01db6ff7836bcf50de9d1106caf4f9d5cf299290162e6a868ea8262478410",
     "sft/train.jsonl": "d1c227b00ebdd020ac15ed416a24add2870844fda62e95b7878e46fb10588a68",
     "sft/val.jsonl": "198f7cb8611485c7fb6e2e32440acb981a922cb7cf61a23d0795dbf517dc766e",
-    "tasks/sft.jsonl": "2ae3bfc4c75af9b9927c78c227f9418ea3a516088906e402a16552275976df55",
+    "tasks/sft.jsonl": "4c6f9cb4f3ddfd4dede368835c3e5eb8acf28a28014bb70ca86ff08c498c02ec",
     "tasks/test.jsonl": "804e57e606cd845bb95ea3f8f6ae71f4e4238f156bff7f12d76f56af344fc9f6",
-    "tasks/train.jsonl": "f14db8bce9ed60d27e5c636680590f427dd60d54e598e742747b5afa2d0cb6a6",
+    "tasks/train.jsonl": "0749a28126654a2dc97233735561d126381a1ee5202de1acdd8c7ba52412b09c",
     "tasks/val.jsonl": "b6abde625e2826e5c63649045ae85291d6407265fcd9dc798276ee2eb6c2cbc3",
 }
 
@@ -170,19 +170,29 @@ def test_rm_splits_disjoint_and_test_unseen(built):
 
 
 @pytest.mark.slow
-def test_rm_test_reviews_have_no_near_duplicates_in_training(built):
-    """No RM-test review is inside, contains, or starts like (20 characters) a text of RM train or the SFT
-    responses, compared the slow way (every pair) in the normalised form; the manifest reports 0 for every file."""
+def test_no_held_out_problem_is_in_a_training_file(built):
+    """No held-out review (the RM's test and val reviews, the reviews the sentiment problems quote) is inside,
+    contains, or starts like (20 characters) a text of a file any stage trains on (the RM's pairs, SFT, the
+    verifiable families' training problems and SFT examples), compared the slow way (every pair) in the normalised
+    form; the manifest counts 0 for every held-out file of every family against every training file."""
     manifest = json.loads((built / "MANIFEST.json").read_text(encoding="utf-8"))
-    assert manifest["rm_test_near_duplicates"] and not any(manifest["rm_test_near_duplicates"].values())
+    counts = manifest["held_out_near_duplicates"]
+    assert {"rm/test.jsonl", "sentiment/test.jsonl", "instructions/test.jsonl", "tasks/test.jsonl"} <= set(counts)
+    assert all(len(per_file) >= 10 for per_file in counts.values())
+    assert not any(n for per_file in counts.values() for n in per_file.values()), counts
 
     def form(t):
         return re.sub(r"[\W_]+", "", t).lower()
 
-    test = {form(r[k]) for r in read_jsonl(built / "rm/test.jsonl") for k in ("chosen", "rejected")}
+    held_out = {form(r[k]) for s in ("test", "val") for r in read_jsonl(built / f"rm/{s}.jsonl")
+                for k in ("chosen", "rejected")}
+    held_out |= {form(quoted(r["prompt"])) for s in ("test", "val") for r in read_jsonl(built / f"sentiment/{s}.jsonl")}
     train = {form(r[k]) for r in read_jsonl(built / "rm/train.jsonl") for k in ("chosen", "rejected")}
-    train |= {form(r["response"]) for r in read_jsonl(built / "sft/train.jsonl")}
-    close = [(a, b) for a in test for b in train
+    train |= {form(r["response"]) for rel in ("sft/train.jsonl", "instructions/sft.jsonl")
+              for r in read_jsonl(built / rel)}
+    train |= {form(quoted(r["prompt"])) for rel in ("sentiment/train.jsonl", "sentiment/sft.jsonl")
+              for r in read_jsonl(built / rel)}
+    close = [(a, b) for a in held_out for b in train
              if (len(b) >= 6 and b in a) or (len(a) >= 6 and a in b) or (len(a) >= 20 and a[:20] == b[:20])]
     assert not close, close[:3]
 
@@ -237,18 +247,33 @@ def test_the_review_instructions_hold_out_their_limits_and_answer_with_real_revi
         assert row["response"] not in rm_held_out and row["response"] not in sft_responses, row
 
 
+def test_the_echo_of_a_held_out_instruction_earns_nothing(built):
+    """Every held-out instruction sent back as its own answer, alone or with words around it, is refused by the
+    strict checker (without the prompt it would pass on most of them: the instruction keeps its own limit)."""
+    from plumbing.verifiers import check
+
+    problems = read_jsonl(built / "instructions/test.jsonl")
+    assert sum(check("instruction", p["prompt"], p["answer"]) for p in problems) > len(problems) // 2
+    for before, after in (("", ""), ("好的，", ""), ("", "谢谢。"), ("好的，", "房间干净。")):
+        assert not any(check("instruction", before + p["prompt"] + after, p["answer"], p["prompt"]) for p in problems)
+
+
+def quoted(prompt):
+    """The review a sentiment problem quotes: its prompt without its template's words (written here apart from
+    ``instructions.quoted_review``, which data/prepare.py uses)."""
+    for template in instructions.SENTIMENT_TEMPLATES:
+        head, tail = template.split("{r}")
+        if prompt.startswith(head) and prompt.endswith(tail):
+            return prompt[len(head):len(prompt) - len(tail)]
+    raise AssertionError(f"no template gives {prompt!r}")
+
+
 def test_the_sentiment_problems_are_balanced_and_their_reviews_never_seen_labelled(built):
     """The sentiment family: 500 test problems, half 正面 and half 负面; the review of a held-out problem is in no
     training problem, no SFT example of either family and no SFT answer, not even up to punctuation and case
-    (``splits.near_dup_form``); each problem's answer is its review's label in the review corpus."""
+    (``splits.near_dup_form``); it is one of the RM's test (or, for val, validation) reviews, which no stage trains
+    on, and its answer is the review's label in the review corpus."""
     from prep.splits import near_dup_form
-
-    def review(prompt):  # the quoted review: the prompt without its template's words
-        for template in instructions.SENTIMENT_TEMPLATES:
-            head, tail = template.split("{r}")
-            if prompt.startswith(head) and prompt.endswith(tail):
-                return prompt[len(head):len(prompt) - len(tail)]
-        raise AssertionError(f"no template gives {prompt!r}")
 
     rows = {split: read_jsonl(built / f"sentiment/{split}.jsonl") for split in ("test", "val", "train")}
     assert all(r["family"] == "sentiment" for problems in rows.values() for r in problems)
@@ -257,18 +282,21 @@ def test_the_sentiment_problems_are_balanced_and_their_reviews_never_seen_labell
         assert sum(r["answer"] == "正面" for r in problems) * 2 == len(problems), split
     labelled = read_jsonl(built / "sentiment/sft.jsonl")
     assert len(labelled) >= 400 and all(r["response"] in ("正面", "负面") for r in labelled)
-    train_forms = {near_dup_form(review(r["prompt"])) for r in rows["train"] + labelled}
+    train_forms = {near_dup_form(quoted(r["prompt"])) for r in rows["train"] + labelled}
     answers = {near_dup_form(r["response"]) for rel in ("sft/train.jsonl", "sft/val.jsonl", "instructions/sft.jsonl")
                for r in read_jsonl(built / rel)}
     for problem in rows["test"] + rows["val"]:
-        form = near_dup_form(review(problem["prompt"]))
+        form = near_dup_form(quoted(problem["prompt"]))
         assert form not in train_forms and form not in answers, problem
-    # the label is the corpus's: the RM's training pairs (positive lines chosen, negative rejected, zipped, so the
-    # longer list's tail is left out) hold most training reviews
-    rm = read_jsonl(built / "rm/train.jsonl")
-    label = {**{r["chosen"]: "正面" for r in rm}, **{r["rejected"]: "负面" for r in rm}}
-    found = [p for p in rows["test"] if review(p["prompt"]) in label]
-    assert len(found) >= 400 and all(label[review(p["prompt"])] == p["answer"] for p in found)
+        assert instructions.quoted_review(problem["prompt"]) == quoted(problem["prompt"])
+    # the label is the corpus's: the RM's pairs of the same split (positive lines chosen, negative rejected, zipped,
+    # so the longer list's tail, negative lines, is left out) hold most of the quoted reviews
+    for split in ("test", "val"):
+        rm = read_jsonl(built / f"rm/{split}.jsonl")
+        label = {**{r["chosen"]: "正面" for r in rm}, **{r["rejected"]: "负面" for r in rm}}
+        found = [p for p in rows[split] if quoted(p["prompt"]) in label]
+        assert len(found) >= 0.8 * len(rows[split]) and all(label[quoted(p["prompt"])] == p["answer"] for p in found)
+        assert all(quoted(p["prompt"]) in label for p in rows[split] if p["answer"] == "正面")  # every positive
 
 
 def test_second_run_is_fast_and_changes_nothing(built):

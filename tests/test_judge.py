@@ -51,6 +51,31 @@ def test_mean_and_standard_error_by_hand():
     assert judge.mean_and_se([]) == (0.0, 0.0)
 
 
+def test_rank_correlation_against_the_textbook_formula():
+    """Without ties Spearman's rho is 1 - 6 sum d^2 / (n (n^2 - 1)), d the rank differences: checked on shuffled
+    lists; with ties the ranks are averaged ([1, 2, 2, 3] against [1, 2, 3, 4]: ranks 1, 2.5, 2.5, 4, rho by hand
+    sqrt(0.9)); the SE is sqrt((1 - rho^2) / (n - 2))."""
+    import random
+
+    rng = random.Random(0)
+    for n in (3, 5, 25):
+        x, y = rng.sample(range(100), n), rng.sample(range(100), n)
+        rx = {v: i + 1 for i, v in enumerate(sorted(x))}
+        ry = {v: i + 1 for i, v in enumerate(sorted(y))}
+        d2 = sum((rx[a] - ry[b]) ** 2 for a, b in zip(x, y))
+        rho, se = judge.rank_correlation(x, y)
+        assert rho == pytest.approx(1 - 6 * d2 / (n * (n * n - 1)))
+        assert se == pytest.approx(math.sqrt((1 - rho * rho) / (n - 2)))
+    assert judge.ranks([5, 1, 5, 7]) == [2.5, 1.0, 2.5, 4.0]
+    # deviations from the mean rank 2.5: (-1.5, 0, 0, 1.5) and (-1.5, -0.5, 0.5, 1.5): sxy 4.5, sxx 4.5, syy 5
+    rho, _ = judge.rank_correlation([1, 2, 2, 3], [1, 2, 3, 4])
+    assert rho == pytest.approx(4.5 / math.sqrt(4.5 * 5.0)) == pytest.approx(math.sqrt(0.9))
+    assert judge.rank_correlation([1, 2, 3], [3, 2, 1]) == (pytest.approx(-1.0), 0.0)
+    assert judge.rank_correlation([1, 1, 1], [1, 2, 3])[0] == 0.0  # a constant list follows nothing
+    with pytest.raises(ValueError, match="3 or more pairs"):
+        judge.rank_correlation([1, 2], [1, 2])
+
+
 def test_summarize_collects_every_monitor():
     m = judge.summarize([[1, 2, 1, 2], [3]], [True, False], [1.0, 3.0], [0.5, 0.7], kl=[0.0, 2.0], entropy=1.5)
     assert m["rm_score"] == 2.0 and m["rm_score_se"] == pytest.approx(1.0)

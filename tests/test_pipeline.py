@@ -109,6 +109,40 @@ def test_skill_section_rows_and_what_each_gain_means():
     assert "no spread across problems to tell a gain from chance. **worse reviews: the judge" in flat_text
 
 
+def lengths(chars, rho, rho_se, bands=(45.0, 42.0, 41.0, 44.0, 43.0)):
+    """The length-by-limit monitors of ``tasks.length_by_limit``: mean ``chars`` (SE 0.5), the five bands, and the
+    rank correlation over 25 limits."""
+    names = [f"instruction_chars_{lo}_{hi}" for lo, hi in report.LIMIT_BANDS]
+    return {"instruction_chars": chars, "instruction_chars_se": 0.5, **dict(zip(names, bands)),
+            "instruction_length_rho": rho, "instruction_length_rho_se": rho_se, "instruction_limits": 25.0}
+
+
+def test_the_card_says_what_a_gain_on_the_limits_is():
+    """A gain on "at most N" read from the lengths: GRPO shorter by 10 characters (20 SE of the difference
+    hypot(0.5, 0.5)) with a flat rank correlation keeps limits by writing shorter; PPO, whose length rises with N
+    (0.80 > 2 x 0.12), reads the limit; a gain with neither is said to be explained by neither."""
+    settings = {"problems": 500, "samples": 8, "sft_samples": 16, "temperature": 1.0, "max_new_tokens": 64}
+    sft = task_monitors(0.50, 0.010, **lengths(43.0, 0.10, 0.20))
+    grpo = task_monitors(0.65, 0.012, kl=1.5, **lengths(33.0, 0.05, 0.21, bands=(30.0, 34.0, 33.0, 32.0, 35.0)))
+    ppo = task_monitors(0.60, 0.012, kl=0.5, **lengths(40.0, 0.80, 0.12, bands=(15.0, 25.0, 40.0, 47.0, 55.0)))
+    metrics = {"grpo-tasks": {"tasks": {"sft": sft, "grpo": grpo}, "task_settings": settings, "reward_hacking": ""},
+               "ppo-tasks": {"tasks": {"sft": sft, "ppo": ppo}, "task_settings": settings, "reward_hacking": ""}}
+    text = "\n".join(report.skill_section(metrics))
+    assert ("it keeps more limits by writing shorter (43.0 → 33.0 characters), not by reading the limit: its length "
+            "does not follow N (rank correlation of N with the length +0.05 ± 0.21)") in text
+    assert "it reads the limit: its answers grow with N (rank correlation of N with the length +0.80 ± 0.12)" in text
+    assert "the mean length over the 25 held-out limits" in text
+    assert "| model | N 10-19 | N 20-29 | N 30-39 | N 40-49 | N 50-60 | all | rank correlation with N |" in text
+    assert "| SFT | 45.0 | 42.0 | 41.0 | 44.0 | 43.0 | 43.0 ± 0.5 | +0.10 ± 0.20 |" in text
+    assert "| GRPO (verifier) | 30.0 | 34.0 | 33.0 | 32.0 | 35.0 | 33.0 ± 0.5 | +0.05 ± 0.21 |" in text
+    assert "learnt to keep limits it never trained on" not in text
+    same = {"grpo-tasks": {**metrics["grpo-tasks"], "tasks": {"sft": sft, "grpo": {**grpo, **lengths(42.5, 0.1, 0.2)}}}}
+    assert "its length neither follows N (rank correlation of N with the length +0.10 ± 0.20) nor fell beyond " \
+           "noise (43.0 → 42.5 characters)" in "\n".join(report.skill_section(same))
+    old = {"grpo-tasks": {**metrics["grpo-tasks"], "tasks": {"sft": task_monitors(0.5, 0.01), "grpo": grpo}}}
+    assert "rank correlation with N" not in "\n".join(report.skill_section(old))  # measured before lengths were
+
+
 def test_skill_section_gives_each_family_its_own_table_and_figures():
     """Two families: a table each, from the family's own keys (its KL, length and [SEP] share, not the overall
     ones); the RM score and the judge only beside the instructions, whose 好评 problems they can rank."""

@@ -85,6 +85,63 @@ def test_a_degenerate_answer_gets_no_reward_even_when_it_keeps_the_instruction(t
     assert verifier_reward("contains", tokenizer)(tasks, data).tolist() == [1.0, 1.0, 1.0, 1.0]
 
 
+PROMPT = "写一条不超过二十个字的好评。"  # 13 characters, so the prompt itself keeps its own limit
+
+
+@pytest.mark.parametrize("response, right", [
+    (PROMPT, False),  # the echo
+    ("好的，" + PROMPT, False), (PROMPT + "谢谢。", False), ("好的：" + PROMPT + "房间干净。", False),  # with more
+    ("不超过二十个字的好评", False), ("写一条二十个字的好评", False),  # most of it, in order
+    ("好评，不超过二十个字，写好了。", False),  # mostly the prompt's characters: 7 of its 11
+    ("这是一条好评：房间干净，早餐不错。", True),  # a real review sharing 一条 and 好评 with it (4 of 12)
+    ("酒店的服务不错，下次还来。", True),  # sharing nothing
+])
+def test_an_answer_that_copies_its_prompt_gets_no_reward(response, right):
+    """The instruction itself keeps its limit and passes for a review (13 characters, ten different ones): it is
+    refused when it holds half of the prompt's characters in order, or is made mostly of them, with any text
+    around it; a real review that shares a few words with its instruction still passes."""
+    assert verifiers.check("instruction", response, "max_chars:20", PROMPT) is right
+    assert verifiers.check("instruction", response, "max_chars:20") is (len(response) <= 20)  # no prompt, no guard
+
+
+def test_characters_in_common_in_order_by_hand():
+    assert verifiers.common_in_order("写一条好评", "好的，写一条不错的好评") == 5
+    assert verifiers.common_in_order("abcbdab", "bdcaba") == 4  # the textbook pair (CLRS 15.4): "bcba"
+    assert verifiers.common_in_order("", "好评") == 0 and verifiers.common_in_order("好评", "评好") == 1
+    assert verifiers.text_form("写一条 好评。OK") == "写一条好评ok"
+    assert not verifiers.echoes("房间干净", "")  # an empty prompt is copied by nothing
+
+
+def test_length_by_limit_by_hand():
+    """Four "at most N" problems, 2 samples each (one with a special token: no length), and a sentiment problem
+    that counts for nothing: per problem means 12, 14, 30, 40 characters; bands 10-19 (N 10, 15) 13.0, 30-39 (N
+    30) 30.0, 50-60 (N 55) 40.0; over the limits 10 < 15 < 30 < 55 the lengths rise too: rank correlation 1."""
+    from plumbing.tasks import length_by_limit
+
+    tasks = [{"family": "instruction", "answer": f"max_chars:{n}", "prompt": ""} for n in (10, 15, 30, 55)]
+    tasks.insert(2, {"family": "sentiment", "answer": "正面", "prompt": ""})
+    chars = [10, 14, 14, None, 9, 9, 30, 30, 40, 40]  # rows of the problems in order; the sentiment one's 9, 9
+    m = length_by_limit(tasks, chars, samples=2)
+    assert m["instruction_chars"] == pytest.approx((12 + 14 + 30 + 40) / 4)
+    assert m["instruction_chars_10_19"] == pytest.approx((10 + 14 + 14) / 3)  # answers, not problems, in a band
+    assert m["instruction_chars_30_39"] == 30.0 and m["instruction_chars_50_60"] == 40.0
+    assert "instruction_chars_20_29" not in m and "instruction_chars_40_49" not in m
+    assert m["instruction_length_rho"] == pytest.approx(1.0) and m["instruction_limits"] == 4.0
+    falling = length_by_limit(tasks, [40, 40, 30, 30, 9, 9, 14, None, 12, 12], samples=2)
+    assert falling["instruction_length_rho"] == pytest.approx(-1.0)
+    assert length_by_limit(tasks[2:3], [9, 9], samples=2) == {}  # no instruction problem
+
+
+def test_the_echo_earns_nothing_through_the_reward(tokenizer):
+    """Through the reward GRPO and PPO train on: the prompt sent back, ended with [SEP], scores 0; a review keeping
+    the limit scores 1."""
+    from plumbing.tasks import verifier_reward
+
+    tasks = [{"prompt": PROMPT, "answer": "max_chars:20", "family": "instruction"}] * 3
+    data = rollout_data(tokenizer, [PROMPT, "好的，" + PROMPT, REVIEW], [True, True, True])
+    assert verifier_reward("exact", tokenizer)(tasks, data).tolist() == [0.0, 0.0, 1.0]
+
+
 @pytest.mark.parametrize("instruction", ["mention:", "size:12", "max_chars:十", "min_chars:", "早餐"])
 def test_a_malformed_instruction_is_refused(instruction):
     with pytest.raises(ValueError, match="not an instruction"):

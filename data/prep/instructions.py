@@ -16,8 +16,9 @@ mostly), and GRPO teaches it to keep them on held-out limits.
 
 The second family (``build_sentiment``, written to ``sentiment/``) asks whether a review it quotes is 正面 or 负面
 (positive or negative): the review-polarity task of Pang et al. 2002 as a verifiable problem, the label the corpus's.
-Its held-out reviews are in no training prompt and in no SFT answer (nor a near-duplicate of one: the same text up
-to punctuation and case). It avoids the words 好评/差评, which in the other prompts ask for a review to be written.
+Its held-out reviews are the RM's test and val reviews, in no file any stage trains on (nor a near-duplicate of
+one: the same text up to punctuation and case; ``data/prepare.py`` counts them). It avoids the words 好评/差评,
+which in the other prompts ask for a review to be written.
 The pipeline mixes its SFT examples into the one SFT and trains GRPO on it in a stage of its own: mixed into the
 instructions' GRPO stage it cost minutes the budget does not have and taught little beyond the answer's form
 (bench/README.md, "A second family")."""
@@ -87,24 +88,29 @@ def sft_pairs(reviews: list[tuple[str, bool]], train_limits: dict[str, list[int]
         if made[kind] >= SFT_EXAMPLES or not fits:
             continue
         limit = fits[int(unit_hash(review, "instruction-limit") * len(fits))]
-        template = pick(TEMPLATES[kind], review, "instruction-template")
-        if check_instruction(review, f"{kind}:{limit}"):
+        prompt = pick(TEMPLATES[kind], review, "instruction-template").format(n=chinese_numeral(limit),
+                                                                            s=SENTIMENT[good])
+        if check_instruction(review, f"{kind}:{limit}", prompt):
             made[kind] += 1
-            out.append((template.format(n=chinese_numeral(limit), s=SENTIMENT[good]), review))
+            out.append((prompt, review))
     return out
 
 
-def build_sentiment(reviews: list[tuple[str, bool]], seen: set[str]) -> dict:
+def build_sentiment(reviews: list[tuple[str, bool]], held_out: dict[str, list[tuple[str, bool]]],
+                    seen: set[str]) -> dict:
     """The sentiment family: ``{"test", "val", "train": [{"prompt", "answer", "family"}], "sft": [{"prompt",
-    "response"}]}``, ``SENTIMENT_SPLITS`` reviews each, taken in hash order from ``reviews`` ((review, positive?) pairs)
-    of ``SENTIMENT_LENGTHS`` characters. A review whose near-duplicate form (``near_dup_form``) is in ``seen`` (the
-    answers of other SFT examples) never goes to a held-out split, nor does one sharing its form with a training
-    review of this family: its label would have been shown in training."""
+    "response"}]}``, ``SENTIMENT_SPLITS`` reviews each of ``SENTIMENT_LENGTHS`` characters, taken in hash order:
+    the held-out splits from ``held_out["test"]`` and ``held_out["val"]`` (the RM's test and val reviews, which no
+    stage trains on: not the RM, whose training pairs hold the other reviews, nor SFT, nor PPO), the training ones
+    from ``reviews`` ((review, positive?) pairs). A review whose near-duplicate form (``near_dup_form``) is in
+    ``seen`` (the answers of other SFT examples) or taken by an earlier split is left out: its label would have
+    been shown in training, or one review would sit in two splits."""
     lo, hi = SENTIMENT_LENGTHS
-    usable = hash_sorted([(r, good, near_dup_form(r)) for r, good in reviews if lo <= len(r) <= hi],
-                         "sentiment-split", key=lambda x: x[0])
+    pools = {"test": held_out["test"], "val": held_out["val"], "train": reviews, "sft": reviews}
     seen_forms, out = {near_dup_form(r) for r in seen}, {split: [] for split in SENTIMENT_SPLITS}
     for split, n in SENTIMENT_SPLITS.items():  # held-out splits first, then the training ones
+        usable = hash_sorted([(r, good, near_dup_form(r)) for r, good in pools[split] if lo <= len(r) <= hi],
+                             "sentiment-split", key=lambda x: x[0])
         taken = dict.fromkeys(POLARITY, 0)  # half each: always answering one of them scores 50%
         for review, good, form in usable:
             if taken[good] < n // 2 and form not in seen_forms:
@@ -112,16 +118,30 @@ def build_sentiment(reviews: list[tuple[str, bool]], seen: set[str]) -> dict:
                 taken[good] += 1
                 out[split].append((pick(SENTIMENT_TEMPLATES, review, "sentiment-template").format(r=review),
                                    POLARITY[good]))
+        if min(taken.values()) < n // 2:
+            raise ValueError(f"the sentiment family's {split} split found {taken} reviews of each label, not {n // 2}")
     problems = {split: [{"prompt": p, "answer": a, "family": "sentiment"} for p, a in out[split]]
                 for split in ("test", "val", "train")}
     return {**problems, "sft": [{"prompt": p, "response": a} for p, a in out["sft"]]}
 
 
-def build_instructions(reviews: list[tuple[str, bool]], seen: set[str] = frozenset()) -> dict:
+def quoted_review(prompt: str) -> str:
+    """The review a sentiment problem quotes: its prompt without the words of its template
+    (``SENTIMENT_TEMPLATES``). Raises ``ValueError`` for a prompt no template writes."""
+    for template in SENTIMENT_TEMPLATES:
+        head, tail = template.split("{r}")
+        if prompt.startswith(head) and prompt.endswith(tail) and len(prompt) > len(head) + len(tail):
+            return prompt[len(head):len(prompt) - len(tail)]
+    raise ValueError(f"not a sentiment problem: {prompt!r}")
+
+
+def build_instructions(reviews: list[tuple[str, bool]], held_out: dict[str, list[tuple[str, bool]]],
+                       seen: set[str] = frozenset()) -> dict:
     """The two families on the reviews, each ``{"test", "val", "train": [{"prompt", "answer", "family"}], "sft":
     [{"prompt", "response"}]}``: ``{"instructions": ..., "sentiment": ...}``. The sentiment family
-    (``build_sentiment``) keeps its held-out reviews apart from ``seen`` (the review answers of other SFT examples)
-    and from the instruction family's SFT answers.
+    (``build_sentiment``) quotes ``held_out`` reviews in its held-out problems (``{"test" | "val": [(review,
+    positive?)]}``, reviews no stage trains on) and keeps them apart from ``seen`` (the review answers of other SFT
+    examples) and from the instruction family's SFT answers.
 
     For each kind, the limits of ``LIMITS`` in hash order go to test (the first ``HELD_OUT_LIMITS["test"]``), val
     (the next ``HELD_OUT_LIMITS["val"]``) or train, so that no held-out limit is in a training instruction of its
@@ -140,4 +160,4 @@ def build_instructions(reviews: list[tuple[str, bool]], seen: set[str] = frozens
     train_limits = {kind: [n for n in LIMITS if split_of[kind, n] == "train"] for kind in TEMPLATES}
     pairs = sft_pairs(reviews, train_limits)
     return {"instructions": {**out, "sft": [{"prompt": p, "response": r} for p, r in pairs]},
-            "sentiment": build_sentiment(reviews, set(seen) | {review for _, review in pairs})}
+            "sentiment": build_sentiment(reviews, held_out, set(seen) | {review for _, review in pairs})}

@@ -60,11 +60,14 @@ def build_reviews(pos_text: str, neg_text: str) -> dict:
     a split, each in hash order. RM-train lines are halved by a second hash: one half feeds the SFT review tasks, the
     other the PPO prompts (openings of both positive and negative reviews, to be written as a 好评); the whole
     lines of that half answer no other prompt, so the verifiable instructions take their SFT examples from them
-    (``instructions.build_instructions``). PPO validation prompts come from RM-val lines.
+    (``instructions.build_instructions``). PPO validation prompts come from RM-val lines. Every line of the RM test
+    and val splits, paired or not, is returned as ``held_out_reviews``: reviews no stage trains on, which the
+    sentiment family's held-out problems quote.
 
     Returns:
         ``{"rm": {split: [record]}, "sft_units": {line: [(prompt, response)]}, "ppo": [record],
-        "ppo_val": [record], "ppo_reviews": [(line, positive?)], "counts": {...}}``.
+        "ppo_val": [record], "ppo_reviews": [(line, positive?)], "held_out_reviews": {"test" | "val": [(line,
+        positive?)]}, "counts": {...}}``.
     """
     pos, neg = usable_reviews(pos_text), usable_reviews(neg_text)
     both = set(pos) & set(neg)
@@ -111,4 +114,6 @@ def build_reviews(pos_text: str, neg_text: str) -> dict:
     counts = {"positive_lines": len(pos), "negative_lines": len(neg), "in_both_dropped": len(both),
               "near_duplicate_groups": len(set(group.values()))}
     return {"rm": rm, "sft_units": sft_units, "ppo": [{"prompt": p} for p in ppo_prompts],
-            "ppo_val": [{"prompt": p} for p in ppo_val], "ppo_reviews": ppo_reviews, "counts": counts}
+            "ppo_val": [{"prompt": p} for p in ppo_val], "ppo_reviews": ppo_reviews, "counts": counts,
+            "held_out_reviews": {name: [(x, x in pos_set) for x in pos + neg if split[x] == name]
+                                 for name in ("test", "val")}}

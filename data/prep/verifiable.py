@@ -61,18 +61,26 @@ def arithmetic_tasks(seed: int) -> dict[str, list[dict]]:
     return out
 
 
+def pieces(text: str, shortest: int = REVERSE_LENGTHS[0]) -> set[str]:
+    """Every run of at least ``shortest`` characters of ``text``: "天地人日" -> 天地人, 地人日, 天地人日."""
+    return {text[i:j] for i in range(len(text)) for j in range(i + shortest, len(text) + 1)}
+
+
 def reverse_tasks(seed: int) -> dict[str, list[dict]]:
     """Strings of 3-4 different characters to write backwards, drawn at random. A string and its reversal are one
     problem (each is the other's answer), as a + b and b + a are for the sums: a string drawn already, as itself or
-    reversed, in any split, is drawn again, so no problem is in two splits either way round."""
-    rng, seen, out = random.Random(f"{seed}:reverse"), set(), {}
+    reversed, in any split, is drawn again, so no problem is in two splits either way round; so is a string inside
+    one drawn already or holding one ("开月西" and "近开月西"), whose prompts would be near-duplicates
+    (``splits.NearDupIndex``: one inside the other)."""
+    rng, drawn, inside, out = random.Random(f"{seed}:reverse"), set(), set(), {}
     for split, count in {**TASK_HELD_OUT, "train": REVERSE_TRAIN}.items():
         out[split] = []
         while len(out[split]) < count:
             text = "".join(rng.sample(REVERSE_CHARS, rng.randint(*REVERSE_LENGTHS)))
-            if text in seen:
+            if text in inside or pieces(text) & drawn:
                 continue
-            seen.update((text, text[::-1]))  # one entry for a palindrome
+            drawn.update((text, text[::-1]))  # one entry for a palindrome
+            inside.update(pieces(text) | pieces(text[::-1]))
             template = REVERSE_TEMPLATES[rng.randrange(len(REVERSE_TEMPLATES))]
             out[split].append({"prompt": template.format(s=text), "answer": text[::-1], "family": "reverse"})
     return out
