@@ -17,7 +17,8 @@ import os
 import torch
 
 from chinese_tokenizer import load_tokenizer, text_to_token_ids, token_ids_to_text
-from gpt_model import GPTModel, generate, get_preset
+from gpt_fast import generate, speed_up
+from gpt_model import GPTModel, get_preset
 from plumbing.batching import BatchSchedule, spread_subset
 from plumbing.checkpoint import check_output_dir, check_vocab, load_backbone
 from plumbing.cli import UserError, add_optimizer_argument, default_path, fill_defaults, run, stage_parser
@@ -91,6 +92,7 @@ def main(argv=None):
 
     # --- model -------------------------------------------------------------------------------------------------
     model, parent = build_model(args, tokenizer)
+    speed_up(model)  # the same model, its loss and decoding paths fast (gpt_fast.py)
     block_len = args.context_length or model.cfg.context_length
     if not 1 < block_len <= model.cfg.context_length:
         raise UserError(f"--context_length {block_len} must be in 2..{model.cfg.context_length} (the model's "

@@ -27,7 +27,7 @@ import os
 import torch
 
 from chinese_tokenizer import EOS_ID, chat_messages_ids, decode, load_tokenizer, until_eos
-from gpt_model import generate
+from gpt_fast import generate, speed_up
 from lora import add_lora, trainable_parameters
 from plumbing.batching import BatchSchedule, ChatPairs, length_grouped_batches, spread_subset
 from plumbing.checkpoint import check_output_dir, load_backbone
@@ -164,6 +164,7 @@ def main(argv=None):
 
     # --- model: the pretrained checkpoint ----------------------------------------------------------------------
     model, parent = load_backbone(args.init, "--init", tokenizer, "0-PRETRAIN.py")
+    speed_up(model)  # the same model, its loss and decoding paths fast (gpt_fast.py)
     cfg = model.cfg
     if args.lora_rank:  # LoRA: only the adapters train; the checkpoint holds them alone, over --init (lora.py)
         add_lora(model, args.lora_rank, args.lora_alpha, args.lora_targets, dropout=cfg.drop_rate)

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from chinese_tokenizer import apply_chat_template, load_tokenizer
+from gpt_fast import speed_up
 from gpt_model import RewardModel
 from plumbing.batching import BatchSchedule, length_grouped_batches, pad_right, spread_subset
 from plumbing.checkpoint import check_output_dir, load_backbone, load_checkpoint
@@ -177,6 +178,7 @@ def score_main(args) -> int:
     a score does not depend on the machine."""
     prompts, responses = texts_to_score(args)  # a bad text file fails before the model loads
     model, tokenizer, _ = load_checkpoint(args.checkpoint, "reward", flag="--checkpoint")
+    speed_up(model)  # the same model, its small products fast (gpt_fast.py)
     if args.max_length and args.max_length > model.cfg.context_length:
         raise UserError(f"--max_length {args.max_length} is longer than the model's context_length "
                         f"{model.cfg.context_length}; lower it")
@@ -279,6 +281,7 @@ def main(argv=None):
 
     # --- model: the parent's GPT + a new scalar head ----------------------------------------------------------------
     model, parent = build_model(args, tokenizer)
+    speed_up(model)  # the same model, its decoding paths fast (gpt_fast.py)
     if not 4 <= args.max_length <= model.cfg.context_length:
         raise UserError(f"--max_length {args.max_length} must be in 4..{model.cfg.context_length} (the model's "
                         f"context)")

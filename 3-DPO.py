@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from chinese_tokenizer import SEP_ID, chat_prompt_ids, encode, load_tokenizer
+from gpt_fast import speed_up
 from plumbing.alignment import PROMPT_FILES, HeldOut, add_held_out_arguments, load_policy_and_reward, read_val_prompts
 from plumbing.batching import BatchSchedule, chat_example, collate_chat, length_grouped_batches, spread_subset
 from plumbing.checkpoint import check_output_dir
@@ -208,6 +209,7 @@ def main(argv=None):
 
     # --- models: the policy and its frozen reference, both the SFT model; the RM only scores held-out answers ------
     policy, parent, ref, reward_model, context_length = load_policy_and_reward(args, tokenizer, accelerator.device)
+    speed_up(policy, ref, reward_model)  # the same models, their loss and decoding paths fast (gpt_fast.py)
     if not 4 <= args.max_length <= policy.cfg.context_length:
         raise UserError(f"--max_length {args.max_length} must be in 4..{policy.cfg.context_length} (the model's "
                         f"context)")

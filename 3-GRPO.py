@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from chinese_tokenizer import load_tokenizer
+from gpt_fast import speed_up
 from plumbing.alignment import (
     Online,
     add_held_out_arguments,
@@ -229,6 +230,7 @@ def main(argv=None):
     # --- prompts to practise on, held-out ones to measure the change, the policy and a frozen reference from SFT,
     # and the reward: the frozen RM's score, or a verifier's 1 or 0 (no critic either way) -------------------------
     online = Online(args, tokenizer, device)
+    speed_up(online.policy, online.ref, online.reward_model, online.review_model)  # fast paths (gpt_fast.py)
     prompts, context_length = online.prompts, online.context_length
 
     # --- optimizer, Accelerate, and the stage's plumbing (which resumes a run given --resume) -------------------

@@ -37,6 +37,7 @@ import torch.nn as nn
 from safetensors.torch import load_model, save_model
 
 from chinese_tokenizer import load_tokenizer
+from gpt_fast import speed_up
 from gpt_model import RewardModel, last_real_index
 from plumbing.alignment import (
     Online,
@@ -279,6 +280,7 @@ def main(argv=None):
     online = Online(args, tokenizer, accelerator.device)
     prompts, context_length = online.prompts, online.context_length
     critic = make_critic(online)
+    speed_up(online.policy, online.ref, online.reward_model, online.review_model, critic)  # gpt_fast.py
 
     # --- optimizer, Accelerate, and the stage's plumbing (which resumes a run given --resume) -----------------------
     trained = PolicyAndCritic(online.policy, critic)

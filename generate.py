@@ -49,7 +49,7 @@ import sys
 import torch
 
 from chinese_tokenizer import EOS_ID, IncrementalDecoder, decode, until_eos
-from gpt_model import generate
+from gpt_fast import generate, speed_up
 from plumbing.cli import (
     ArgumentParser,
     UserError,
@@ -274,6 +274,7 @@ def main(argv=None):
 
     device = pick_device(args.device)
     model, tokenizer, chat = load_policy(args)
+    speed_up(model)  # the same model, its decoding paths fast (gpt_fast.py)
     if prompts and not chat and not all(isinstance(p, str) for p in prompts):
         raise UserError("a conversation in --prompts_file needs a chat checkpoint (SFT/PPO/DPO/GRPO) without --raw; "
                         "give plain prompts to continue")
@@ -282,7 +283,7 @@ def main(argv=None):
                         else "--system is for chat checkpoints (SFT/PPO/DPO/GRPO), and this model only continues "
                              "text (a pretrain checkpoint or --from_hf weights); drop --system")
     model.to(device=device, dtype=DTYPES[args.dtype])
-    reward_model = load_reward(args.reward, model.cfg.vocab_size).to(device) if args.reward else None
+    reward_model = speed_up(load_reward(args.reward, model.cfg.vocab_size).to(device)) if args.reward else None
     log(f"device {device}, {weight_dtype(model)} weights; {sum(p.numel() for p in model.parameters()):,} "
         f"parameters; context {model.cfg.context_length} tokens")
     if args.max_new_tokens >= model.cfg.context_length:

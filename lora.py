@@ -31,7 +31,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from gpt_model import GPTModel, Linear, RewardModel, unwrap_compiled
+from gpt_fast import SplitLinear
+from gpt_model import GPTModel, RewardModel, unwrap_compiled
 
 # the linear layers of a TransformerBlock that may carry an adapter, as module paths inside the block
 LORA_TARGETS = ("att.W_query", "att.W_key", "att.W_value", "att.out_proj", "ff.layers.0", "ff.layers.2")
@@ -49,7 +50,7 @@ def check_settings(rank: int, alpha: float, dropout: float) -> None:
         raise ValueError(f"LoRA dropout must be in [0, 1), got {dropout!r}")
 
 
-class LoRALinear(Linear):
+class LoRALinear(SplitLinear):
     """A frozen ``Linear`` plus a trainable low-rank update: y = x W^T + b + (alpha / r) * dropout(x) A^T B^T.
 
     Built from an existing layer, ``LoRALinear(layer, rank, alpha)``: ``weight`` (out, in) and ``bias`` (out,) are
@@ -87,7 +88,7 @@ class LoRALinear(Linear):
         self.train(base.training)
 
     def forward(self, x):  # (..., in) -> (..., out)
-        y = super().forward(x)  # (..., out) the base layer x W^T + b, through Linear's CPU decoding path too
+        y = super().forward(x)  # (..., out) the base layer x W^T + b, through SplitLinear's CPU decoding path too
         if self.merged or not self.enabled:
             return y
         h = F.linear(self.lora_dropout(x), self.lora_A)  # (..., r)  x A^T
@@ -322,7 +323,7 @@ def merge_lora(model):
         if isinstance(layer, LoRALinear):
             if not layer.merged:
                 layer.merge()
-            plain = Linear(layer.in_features, layer.out_features, bias=layer.bias is not None, device="meta")
+            plain = nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None, device="meta")
             plain.weight, plain.bias = layer.weight, layer.bias  # the merged Parameters themselves
             setattr(parent, name, plain.train(layer.training))
     for p in model.parameters():

@@ -26,7 +26,7 @@ stream each choice's last chunk carries its score.
 
 How requests are run: one generation thread owns the model. Requests queue for it; those that arrive together and sample
 alike (same temperature, top-k, top-p, no seed) run as one left-padded batch of up to ``MAX_BATCH`` rows through
-``gpt_model.generate`` with the KV cache, each row ending at its own [SEP], stop string or ``max_tokens``. Tokens go to
+``gpt_fast.generate`` with the KV cache, each row ending at its own [SEP], stop string or ``max_tokens``. Tokens go to
 each request's own queue, so a slow reader never holds up the thread or the others' streams; a client who disconnects
 ends its rows at the next token (a streamed one when its stream closes, a non-streamed one when the waiting request sees
 the disconnect, polled every ``DISCONNECT_POLL_S``). A request with a ``seed`` runs alone, right after seeding torch's
@@ -60,7 +60,7 @@ from pydantic import BaseModel, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from chinese_tokenizer import EOS_ID, IncrementalDecoder, chat_messages_ids, encode
-from gpt_model import generate
+from gpt_fast import generate, speed_up
 from plumbing.batching import pad_left
 from plumbing.cli import ArgumentParser, UserError, run
 from plumbing.devices import pick_device
@@ -712,8 +712,9 @@ def main(argv=None):
     if args.checkpoint is None and args.from_hf is None:
         args.checkpoint = find_latest_checkpoint()
     model, tokenizer, chat = load_policy(args)
+    speed_up(model)  # the same model, its decoding paths fast (gpt_fast.py)
     model.to(device=device, dtype=DTYPES[args.dtype])
-    reward_model = load_reward(args.reward, model.cfg.vocab_size).to(device) if args.reward else None
+    reward_model = speed_up(load_reward(args.reward, model.cfg.vocab_size).to(device)) if args.reward else None
     model_id = os.path.basename(os.path.abspath(args.checkpoint or args.from_hf))
     app = create_app(model, tokenizer, chat, model_id, reward_model)
     host, port = sock.getsockname()[:2]

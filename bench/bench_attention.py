@@ -1,5 +1,5 @@
 """Attention forward + backward on the CPU under bf16 autocast: PyTorch's fused kernel fed bf16, the same kernel fed
-fp32 (what ``gpt_model.fused_attention`` does on the CPU) and the written-out ``attention_reference``.
+fp32 (what ``gpt_fast.fused_attention`` does on the CPU) and the written-out ``attention_reference``.
 
 The demo's stages train under bf16 autocast on CPUs that compute bf16 natively. This measures, in one run and at
 the demo's shapes (pretraining's 16 x 128 causal blocks; the RM's 32 padded pairs of about 72 tokens), why the
@@ -21,7 +21,8 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from gpt_model import attention_reference, causal_mask, fused_attention
+from gpt_fast import fused_attention
+from gpt_model import attention_reference, causal_mask
 
 
 def cpu_name() -> str:

@@ -2,7 +2,7 @@
 its time cannot drop below (bytes read per step) / (read bandwidth). This bench measures both in one run.
 
 For each preset, weight dtype (fp32, bf16, and fp32 under bf16 autocast) and batch size it reports:
-  step     median time of one cached decode step of ``gpt_model.generate`` (greedy, new tokens 4 .. N)
+  step     median time of one cached decode step of ``gpt_fast.generate`` (greedy, new tokens 4 .. N)
   bytes    weights read per step (every block matrix, the final norm, the whole output head, B embedding rows)
            plus the keys and values read from the cache at the measured positions
   bound    bytes / read bandwidth, where the bandwidth is that of ``torch.sum`` over a buffer of the same size,
@@ -15,7 +15,7 @@ and the step time at new token 900 over the step time at new token 10 (context 1
     python bench/bench_decode.py                          # demo and gpt2-zh-small, fp32 and bf16, batch 1 and 8
     python bench/bench_decode.py --presets demo --batches 1
     python bench/bench_decode.py --presets demo --batches 1 --ops  # also what each operation of a step costs
-    python bench/bench_decode.py --split_vs_linear --batches 1 8 32 64 128   # gpt_model.Linear's split path on/off
+    python bench/bench_decode.py --split_vs_linear --batches 1 8 32 64 128   # gpt_fast.SplitLinear's split path on/off
 
 The figures go in bench/README.md ("Decoding against the memory bound").
 """
@@ -33,7 +33,9 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from bench_attention import cpu_name
 
-from gpt_model import GPTModel, apply_rope, generate, get_preset, rope_angles
+import gpt_fast
+from gpt_fast import generate, speed_up
+from gpt_model import GPTModel, apply_rope, get_preset, rope_angles
 from plumbing.cli import HelpFormatter
 
 PROMPT_LEN = 16
@@ -179,21 +181,19 @@ def print_operation_costs(preset: str, dtype: str, model: GPTModel, bandwidth: f
 
 
 def split_vs_linear(preset: str, batches, new_tokens: int, rounds: int) -> None:
-    """Decode steps (fp32) with ``gpt_model.Linear``'s split path and with plain ``F.linear`` (``SPLIT_ROWS`` 0),
+    """Decode steps (fp32) with ``gpt_fast.SplitLinear``'s split path and with plain ``F.linear`` (``SPLIT_ROWS`` 0),
     alternating within each round so that both see the same machine; medians over the rounds' steps."""
-    import gpt_model
-
-    model, default = build(preset, "fp32"), gpt_model.SPLIT_ROWS
+    model, default = build(preset, "fp32"), gpt_fast.SPLIT_ROWS
     for batch in batches:
         times = {0: [], default: []}
         try:
             for r in range(rounds):
                 for rows in (0, default):
-                    gpt_model.SPLIT_ROWS = rows
+                    gpt_fast.SPLIT_ROWS = rows
                     step_times(model, batch, 4)
                     times[rows] += step_times(model, batch, new_tokens, seed=r)[2:]
         finally:
-            gpt_model.SPLIT_ROWS = default
+            gpt_fast.SPLIT_ROWS = default
         plain, split = statistics.median(times[0]), statistics.median(times[default])
         path = "split" if batch <= default else f"F.linear (more than SPLIT_ROWS = {default} rows)"
         print(f"| {preset} | {batch} | {plain * 1e3:.2f} | {split * 1e3:.2f} | {plain / split:.2f} | {path} |",
@@ -205,7 +205,7 @@ def build(preset: str, dtype: str, context_length: int | None = None) -> GPTMode
     if context_length:
         cfg = cfg.replace(context_length=context_length)
     torch.manual_seed(0)
-    model = GPTModel(cfg).eval()
+    model = speed_up(GPTModel(cfg)).eval()  # as generate.py decodes
     return model.to(DTYPES[dtype])
 
 
@@ -222,7 +222,7 @@ def main():
     p.add_argument("--ops", action="store_true",
                    help="also time each operation of a batch-1 step alone (where the step's time goes)")
     p.add_argument("--split_vs_linear", action="store_true",
-                   help="only compare fp32 decode steps with gpt_model.Linear's split path and with F.linear")
+                   help="only compare fp32 decode steps with gpt_fast.SplitLinear's split path and with F.linear")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     if args.split_vs_linear:

@@ -9,7 +9,7 @@ What is measured (see bench/README.md for what each figure means):
   train   forward + next-token loss + backward + AdamW step, tokens/s, in fp32 and under bf16 autocast
   eval    forward + loss without gradients, tokens/s
   gen     greedy generation of exactly --gen-tokens new tokens at batch 1 and batch 8, tokens/s
-          (ours: gpt_model.generate with its KV cache; theirs: model.generate(do_sample=False, use_cache=True))
+          (ours: gpt_fast.generate with its KV cache; theirs: model.generate(do_sample=False, use_cache=True))
   latency time of single cached decoding steps at new token 10 and new token 900 of one long generation
           (the preset's shape with context_length=1024)
   memory  peak resident memory of each workload in a fresh process (CPU) or peak allocated memory (CUDA)
@@ -35,7 +35,8 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from gpt_model import PRESETS, GPTModel, generate, get_preset
+from gpt_fast import generate, speed_up
+from gpt_model import PRESETS, GPTModel, get_preset
 from plumbing.cli import HelpFormatter
 from plumbing.hf_weights import gpt_to_hf_state_dict, hf_config_from_gpt
 
@@ -50,7 +51,7 @@ def build_models(cfg, device, seed=0, which=("ours", "hf")):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    ours = GPTModel(cfg)
+    ours = speed_up(GPTModel(cfg))  # as the stages run it
     models = {}
     if "hf" in which:
         config = hf_config_from_gpt(cfg)
@@ -190,7 +191,7 @@ class StepClock:
     def __init__(self, device, skip_first_put=False):
         self.device, self.stamps, self.skip = device, [], skip_first_put
 
-    def __call__(self, _tokens):  # gpt_model.generate calls stream(next_ids)
+    def __call__(self, _tokens):  # gpt_fast.generate calls stream(next_ids)
         sync(self.device)
         self.stamps.append(time.perf_counter())
 

@@ -30,7 +30,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from chinese_tokenizer import SEP_ID, chat_prompt_ids, decode, until_eos  # noqa: E402
-from gpt_model import generate  # noqa: E402
+from gpt_fast import generate, speed_up  # noqa: E402
 from plumbing.checkpoint import load_checkpoint  # noqa: E402
 from plumbing.hf_weights import save_hf_model  # noqa: E402
 from plumbing.inference import prompt_to_ids  # noqa: E402
@@ -53,6 +53,7 @@ def policy_parity(path, out, max_new_tokens):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model, tokenizer, config = load_checkpoint(path, "gpt")
+    speed_up(model)
     written = save_hf_model(model, out, tokenizer, chat=True)
     hf = AutoModelForCausalLM.from_pretrained(out).eval()
     hf_tokenizer = AutoTokenizer.from_pretrained(out)
@@ -95,6 +96,7 @@ def pretrain_parity(path, out, max_new_tokens):
     from transformers import pipeline
 
     model, tokenizer, config = load_checkpoint(path, "gpt")
+    speed_up(model)
     written = save_hf_model(model, out, tokenizer)
     generator = pipeline("text-generation", model=out, device="cpu")
     rows, ok = [], True

@@ -41,7 +41,8 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_decode import kv_bytes_per_step, weight_bytes_per_step  # noqa: E402 (the repository on the path first)
 
-from gpt_model import GPTModel, chunked_next_token_loss, generate, get_preset  # noqa: E402
+from gpt_fast import chunked_next_token_loss, generate, speed_up  # noqa: E402
+from gpt_model import GPTModel, get_preset  # noqa: E402
 from plumbing.flops import device_name, format_utilisation, peak_flops, training_flops_per_token  # noqa: E402
 from plumbing.optimizers import make_optimizer  # noqa: E402
 
@@ -54,7 +55,7 @@ SIZES = {
 }
 SECTIONS = ("pretrain", "decode", "pipeline", "tests")
 CODE = ("0-PRETRAIN.py", "1-SFT.py", "2-RM.py", "3-PPO.py", "3-DPO.py", "3-GRPO.py", "pipeline.py", "generate.py",
-        "load_weight.py", "chinese_tokenizer.py", "gpt_model.py", "lora.py", "plumbing")
+        "load_weight.py", "chinese_tokenizer.py", "gpt_model.py", "gpt_fast.py", "lora.py", "plumbing")
 
 
 class Check:
@@ -166,7 +167,7 @@ def machine(check: Check, device, size) -> list:
 def largest_batch(check: Check, device, size) -> list:
     """The largest micro-batch of the ladder whose training step (bf16 autocast, fused AdamW) fits in memory."""
     cfg = get_preset(size["preset"])
-    model = GPTModel(cfg).to(device)
+    model = speed_up(GPTModel(cfg)).to(device)
     optimizer = make_optimizer(model, 1e-4, 0.1, "adamw")
     fits, memory = None, {}
     for batch in size["ladder"]:
@@ -250,7 +251,7 @@ def step_breakdown(check: Check, device, size) -> list:
     own step time leaves what the loop adds around them (the batch, the synchronisations, the log)."""
     cfg = get_preset(size["preset"])
     batch = check.results["micro_batch"]["largest"]
-    model = GPTModel(cfg).to(device).train()
+    model = speed_up(GPTModel(cfg)).to(device).train()
     optimizer = make_optimizer(model, 1e-4, 0.1, "adamw")
     ids = torch.randint(0, cfg.vocab_size, (batch, cfg.context_length), device=device)
     parts = {"blocks forward": [], "head + loss (and its gradients)": [], "backward": [], "clip + AdamW": []}
@@ -311,7 +312,7 @@ def decode(check: Check, device, size) -> list:
     for preset in size["decode_presets"]:
         for dtype in (torch.bfloat16, torch.float32):
             torch.manual_seed(0)
-            model = GPTModel(get_preset(preset).replace(drop_rate=0.0)).to(device, dtype).eval()
+            model = speed_up(GPTModel(get_preset(preset).replace(drop_rate=0.0))).to(device, dtype).eval()
             for batch in size["decode_batches"] if dtype == torch.bfloat16 else size["decode_batches"][:1]:
                 prompt = torch.randint(1, model.cfg.vocab_size, (batch, 16), device=device)
                 short, long_ = 24, min(88, model.cfg.context_length - 16)

@@ -22,7 +22,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch
 
 from chinese_tokenizer import EOS_ID, chat_prompt_ids, load_tokenizer
-from gpt_model import generate
+from gpt_fast import generate, speed_up
 from plumbing.batching import pad_left
 from plumbing.checkpoint import load_checkpoint, read_config
 from plumbing.cli import ArgumentParser, UserError, default_path, positive_int, run
@@ -95,14 +95,14 @@ def main(argv=None):
     for path in args.policies:
         check_checkpoint(path, "--policies", reward=False)
     tokenizer = load_tokenizer(default_path("data", "tokenizer"))
-    reward_model = load_checkpoint(args.reward, "reward", flag="--reward")[0].eval()
+    reward_model = speed_up(load_checkpoint(args.reward, "reward", flag="--reward")[0].eval())
     judge = SentimentJudge()
     print(f"{len(tasks)} review instructions of {args.tasks}, {args.samples} samples each at temperature 1")
     print("| checkpoint | side | problems | kept | mean characters | RM score | judge P(positive) |")
     print("|---|---|---|---|---|---|---|")
     for path in args.policies:
         start = time.time()
-        model = load_checkpoint(path, "gpt", flag="--policies")[0].eval()
+        model = speed_up(load_checkpoint(path, "gpt", flag="--policies")[0].eval())
         torch.manual_seed(args.seed)
         for side, f in measure(model, reward_model, judge, tasks, tokenizer, args).items():
             (rm, rm_se), (p, p_se) = mean_and_se(f["rm"]), mean_and_se(f["judge"])

@@ -21,7 +21,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import torch
 
 from chinese_tokenizer import EOS_ID, chat_prompt_ids, load_tokenizer
-from gpt_model import generate
+from gpt_fast import generate, speed_up
 from plumbing.batching import pad_left
 from plumbing.checkpoint import load_checkpoint
 from plumbing.cli import ArgumentParser, default_path, positive_int, run
@@ -56,7 +56,7 @@ def main(argv=None):
     args = parse_args(argv)
     torch.manual_seed(args.seed)
     tokenizer = load_tokenizer(default_path("data", "tokenizer"))
-    model = load_checkpoint(args.policy, "gpt", flag="--policy")[0].eval()
+    model = speed_up(load_checkpoint(args.policy, "gpt", flag="--policy")[0].eval())
     tasks = [t for t in read_tasks(args.tasks, "--tasks") if args.family in (None, t["family"])]
     if args.limit:
         kept, count = [], defaultdict(int)

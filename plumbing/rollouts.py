@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 
 from chinese_tokenizer import EOS_ID, chat_prompt_ids
-from gpt_model import generate
+from gpt_fast import generate
 from plumbing.batching import pad_left
 
 

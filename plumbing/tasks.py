@@ -27,7 +27,7 @@ import math
 import torch
 
 from chinese_tokenizer import EOS_ID, chat_prompt_ids, decode
-from gpt_model import generate
+from gpt_fast import generate
 from plumbing.batching import pad_left
 from plumbing.checkpoint import weights_digest
 from plumbing.devices import forked_rng

@@ -8,10 +8,12 @@ import shutil
 
 import pytest
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
 import lora
-from gpt_model import GPTConfig, GPTModel, Linear, RewardModel, get_preset
+from gpt_fast import SplitLinear, speed_up
+from gpt_model import GPTConfig, GPTModel, RewardModel, get_preset
 from lora import (
     DEFAULT_TARGETS,
     LORA_TARGETS,
@@ -40,7 +42,7 @@ CFG = GPTConfig(vocab_size=61, context_length=16, emb_dim=32, n_heads=4, n_layer
 
 def tiny(cfg=CFG, seed=0):
     torch.manual_seed(seed)
-    return GPTModel(cfg).eval()
+    return speed_up(GPTModel(cfg)).eval()  # as the stages run it: LoRA adapts the fast layers
 
 
 def ids(cfg=CFG, seed=1):
@@ -70,7 +72,7 @@ def log_probs(model, x, mask=None):
 def test_step_zero_is_exactly_the_base_model(targets):
     model = tiny()
     x = ids()
-    with torch.no_grad():  # Linear's CPU decoding path (split_forward) for one row, F.linear for the rest
+    with torch.no_grad():  # SplitLinear's CPU decoding path (split_forward) for one row, F.linear for the rest
         before, before_row = model(x)["logits"], model(x[:1, :1])["logits"]
     before_grad = model(x)["logits"].detach()
     add_lora(model, rank=4, alpha=8, targets=targets)
@@ -84,7 +86,7 @@ def test_step_zero_is_exactly_the_base_model(targets):
 
 def test_lora_delta_is_the_low_rank_product_by_hand():
     torch.manual_seed(0)
-    base = Linear(6, 5).double()
+    base = SplitLinear(6, 5).double()
     layer = LoRALinear(base, rank=3, alpha=6)
     assert layer.weight is base.weight and layer.bias is base.bias  # the same Parameters, not copies
     assert not layer.weight.requires_grad and not layer.bias.requires_grad
@@ -104,7 +106,7 @@ def test_lora_delta_is_the_low_rank_product_by_hand():
 
 def test_initialisation_a_kaiming_uniform_b_zero():
     torch.manual_seed(0)
-    layer = LoRALinear(Linear(300, 40), rank=64, alpha=16)
+    layer = LoRALinear(nn.Linear(300, 40), rank=64, alpha=16)
     bound = 1 / math.sqrt(300)  # kaiming_uniform_(a=sqrt(5)) on (r, in): U(-1/sqrt(in), 1/sqrt(in))
     a = layer.lora_A.detach()
     assert a.abs().max() <= bound and a.abs().max() > 0.95 * bound
@@ -115,7 +117,7 @@ def test_initialisation_a_kaiming_uniform_b_zero():
 
 def test_dropout_is_on_the_adapter_input_only():
     torch.manual_seed(0)
-    base = Linear(8, 6)
+    base = SplitLinear(8, 6)
     layer = LoRALinear(base, rank=2, alpha=2, dropout=0.5)
     with torch.no_grad():
         layer.lora_B.normal_()
@@ -215,7 +217,7 @@ def test_merge_lora_gives_a_plain_model_with_the_same_logits():
     adapted = model(x)["logits"].detach()
     merged = merge_lora(copy.deepcopy(model))
     assert list(merged.state_dict()) == list(GPTModel(CFG).state_dict())
-    assert not lora.has_lora(merged) and type(merged.trf_blocks[1].ff.layers[2]) is Linear
+    assert not lora.has_lora(merged) and type(merged.trf_blocks[1].ff.layers[2]) is nn.Linear
     assert all(p.requires_grad for p in merged.parameters())
     assert torch.allclose(merged(x)["logits"].detach(), adapted, atol=1e-5)
 
