@@ -1,8 +1,8 @@
 """The plumbing of the pipeline: everything two or more of the scripts at the root share, one module per idea.
 
 The scripts at the root tell the story (the numbered stages, and the commands generate.py, serve.py, pipeline.py,
-load_weight.py); gpt_model.py (the model) and chinese_tokenizer.py (the tokenizer and the chat template) sit below
-everything. These modules import the model, the tokenizer and each other, never a stage or a command
+load_weight.py); gpt_model.py (the model), gpt_fast.py (its speed work) and chinese_tokenizer.py (the tokenizer and
+the chat template) sit below everything. These modules import the model, the tokenizer and each other, never a stage or a command
 (tests/test_layout.py reads the import graph and holds that rule).
 
 Command line and files:   cli (user errors, shared flags), checkpoint (the hand-off between stages)
