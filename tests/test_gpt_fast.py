@@ -72,6 +72,29 @@ def test_a_training_step_with_the_fast_path_equals_one_without():
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5, msg=name)
 
 
+def test_the_attention_upcast_equals_the_lesson_attention():
+    """fused_attention is F.scaled_dot_product_attention bit for bit on fp32 inputs; on bf16 inputs (CPU autocast)
+    it computes in fp32 and returns bf16, within bf16 rounding (2^-7 relative) of the lesson's bf16 kernel and
+    closer than it to the fp32 result; a sped-up model under autocast gives the lesson's logits to bf16 precision."""
+    g = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(2, 3, 7, 8, generator=g) for _ in range(3))
+    mask = torch.ones(7, 7, dtype=torch.bool).tril()
+    assert torch.equal(gf.fused_attention(q, k, v, attn_mask=mask), F.scaled_dot_product_attention(q, k, v, mask))
+    exact = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    up = gf.fused_attention(*(t.bfloat16() for t in (q, k, v)), is_causal=True)
+    plain = F.scaled_dot_product_attention(*(t.bfloat16() for t in (q, k, v)), is_causal=True)
+    assert up.dtype == torch.bfloat16
+    torch.testing.assert_close(up.float(), plain.float(), atol=3e-2, rtol=2 ** -7)
+    assert (up.float() - exact).abs().max() <= (plain.float() - exact).abs().max()
+    model = random_model(small_cfg(), seed=8)
+    ids = torch.randint(0, 61, (2, 9), generator=g)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        lesson = model(ids)["logits"].float()
+        fast = gf.speed_up(model)(ids)["logits"].float()
+    assert type(model.trf_blocks[0].att) is gf.FastMultiHeadAttention
+    torch.testing.assert_close(fast, lesson, atol=0.02 * lesson.abs().max().item(), rtol=0)  # measured: 0.5%
+
+
 # --------------------------------------------------------------------------------------------------------------
 # generate: the lesson's, for many rows at once
 
