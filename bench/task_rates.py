@@ -7,6 +7,8 @@ greedy answer, scores them with the strict checker (``verifiers.check``, ended w
 accuracy, sampled pass@1 with its standard error over problems, and how the per-problem rates spread: the share of
 problems whose samples were all right or all wrong (a GRPO group of that problem would teach nothing: every
 advantage zero) and a histogram of the rates. GRPO needs problems the model solves sometimes, not always or never.
+For the instructions it also counts the sampled answers that copy their prompt (``verifiers.echoes``) and the
+pass@1 the checker would give without that guard (the prompt left out): what the echo rule takes away.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from plumbing.cli import ArgumentParser, default_path, positive_int, run
 from plumbing.judge import mean_and_se
 from plumbing.records import read_tasks
 from plumbing.tasks import generated_answers, solved
-from plumbing.verifiers import FAMILIES
+from plumbing.verifiers import FAMILIES, check, echoes
 
 
 def parse_args(argv=None):
@@ -68,6 +70,7 @@ def main(argv=None):
     ctx = model.cfg.context_length
     start = time.time()
     greedy, rates, shown = defaultdict(list), defaultdict(list), defaultdict(list)
+    echoed, unguarded = defaultdict(list), defaultdict(list)  # per sampled answer: copies its prompt; right without
     for i in range(0, len(tasks), args.batch):
         batch = tasks[i:i + args.batch]
         prompt = pad_left([chat_prompt_ids(t["prompt"], tokenizer, ctx - args.max_new_tokens) for t in batch])
@@ -83,6 +86,10 @@ def main(argv=None):
             rows = range(j * args.samples, (j + 1) * args.samples)
             right = [solved(t, texts[r], ended[r]) for r in rows]
             rates[scope_of(t)].append(sum(right) / args.samples)
+            if t["family"] == "instruction":
+                echoed[scope_of(t)] += [texts[r] is not None and echoes(texts[r], t["prompt"]) for r in rows]
+                unguarded[scope_of(t)] += [bool(ended[r]) and texts[r] is not None
+                                           and check(t["family"], texts[r], t["answer"]) for r in rows]
             if len(shown[scope_of(t)]) < args.show:
                 shown[scope_of(t)].append((t["prompt"], texts[rows[0]], right[0]))
     print(f"{args.policy}: {len(tasks)} problems x {args.samples} samples, {time.time() - start:.0f} s")
@@ -96,6 +103,9 @@ def main(argv=None):
                 sum(.5 < x <= .75 for x in r), sum(.75 < x < 1 for x in r), sum(x == 1 for x in r)]
         print(f"| {scope} | {len(r)} | {sum(greedy[scope]) / len(r):.1%} | {mean:.1%} ± {se:.1%} | "
               f"{bins[-1] / len(r):.0%} | {bins[0] / len(r):.0%} | {' / '.join(map(str, bins))} |")
+    for scope in sorted(echoed):
+        print(f"{scope}: {sum(echoed[scope])} of {len(echoed[scope])} sampled answers copy their prompt; pass@1 "
+              f"without the echo guard {sum(unguarded[scope]) / len(unguarded[scope]):.1%}")
     for scope, rows in shown.items():
         for prompt, text, ok in rows:
             print(f"  [{scope}] {prompt} -> {text} ({'right' if ok else 'wrong'})")
