@@ -2,8 +2,8 @@
 
 The scripts at the root tell the story (the numbered stages, and the commands generate.py, serve.py, pipeline.py,
 load_weight.py); gpt_model.py (the model), gpt_fast.py (its speed work) and chinese_tokenizer.py (the tokenizer and
-the chat template) sit below everything. These modules import the model, the tokenizer and each other, never a stage or a command
-(tests/test_layout.py reads the import graph and holds that rule).
+the chat template) sit below everything. These modules import the model, the tokenizer and each other, never a stage
+or a command (tests/test_layout.py reads the import graph and holds that rule).
 
 Command line and files:   cli (user errors, shared flags), checkpoint (the hand-off between stages)
 Data:                     records (reading and checking data files), documents (pretraining text streams),
