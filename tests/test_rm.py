@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from chinese_tokenizer import PAD_ID, SEP_ID, apply_chat_template, encode
+from gpt_fast import speed_up
 from gpt_model import GPTModel, RewardModel, get_preset
 from plumbing.batching import pad_right
 from plumbing.checkpoint import load_checkpoint, save_checkpoint
@@ -401,6 +402,7 @@ def test_score_runs_in_fp32_unless_mixed_precision_asks(trained_rm, tmp_path, ca
     rows = write_jsonl(tmp_path / "t.jsonl", [{"prompt": "评价：", "response": "日月好山水"},
                                               {"prompt": "评价：", "response": "风云差"}])
     model, tok, _ = load_checkpoint(str(trained_rm), "reward")
+    speed_up(model)  # as 2-RM.py --score runs it (under autocast its attention computes in fp32: gpt_fast.py)
     fp32 = score_texts(model, tok, ["评价："] * 2, ["日月好山水", "风云差"], batch_size=1)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         bf16 = score_texts(model, tok, ["评价："] * 2, ["日月好山水", "风云差"], batch_size=1)
