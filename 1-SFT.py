@@ -156,13 +156,10 @@ def read_pairs(args, split: str, tokenizer, max_length: int, print_=print) -> Ch
     return pairs
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    accelerator = make_accelerator(args)
-    check_output_dir(args.output_dir, args.overwrite, args.resume)
-    tokenizer = load_tokenizer(args.tokenizer)
-
-    # --- model: the pretrained checkpoint ----------------------------------------------------------------------
+def build_model(args, tokenizer):
+    """The pretrained checkpoint of --init, sped up (gpt_fast.py) and given LoRA adapters with --lora_rank; returns
+    (model, parent metadata, max_length: the positions each example may read). Raises ``UserError`` for a missing
+    checkpoint or a --max_length outside 3..context_length."""
     model, parent = load_backbone(args.init, "--init", tokenizer, "0-PRETRAIN.py")
     speed_up(model)  # the same model, its loss and decoding paths fast (gpt_fast.py)
     cfg = model.cfg
@@ -171,6 +168,18 @@ def main(argv=None):
     max_length = args.max_length or cfg.context_length
     if not 3 <= max_length <= cfg.context_length:
         raise UserError(f"--max_length {max_length} must be in 3..{cfg.context_length} (the model's positions)")
+    return model, parent, max_length
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    accelerator = make_accelerator(args)
+    check_output_dir(args.output_dir, args.overwrite, args.resume)
+    tokenizer = load_tokenizer(args.tokenizer)
+
+    # --- model: the pretrained checkpoint ----------------------------------------------------------------------
+    model, parent, max_length = build_model(args, tokenizer)
+    cfg = model.cfg
 
     # --- data: pairs -> [CLS] prompt [ANS] response [SEP] -> (inputs, response-only labels) ----------------------
     # (a conversation of several turns: [CLS] user [ANS] assistant [SEP] user [ANS] ..., every assistant turn learned)
