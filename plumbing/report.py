@@ -201,10 +201,10 @@ def family_part(family: str, stages: dict, times: dict) -> list[str]:
     for k in (4, 16):
         rows.append((f"best-of-{k} (SFT + verifier)", "—", pct(sft, f"{f}pass{k}"), f"≤ {best_of_n_kl(k):.2f}",
                      "—", "—", "—", "—", "—"))
-    sentences = []
+    sentences, aligned = [], {}  # aligned: {name: its task monitors}, for the length table
     for stage, metrics in stages.items():
         name = stage.split("-")[0]
-        m = metrics["tasks"][name]
+        m = aligned[name] = metrics["tasks"][name]
         rows.append((f"{name.upper()} (verifier)", pct(m, f + "greedy"), pct(m, f + "pass1"),
                      f"{m[f + 'kl']:.2f} ± {m[f + 'kl_se']:.2f}", f"{m[f + 'length']:.1f}",
                      f"{m[f + 'eos_share']:.0%}", *judged(m), f"{times[stage]:.0f} s" if stage in times else "—"))
@@ -215,9 +215,8 @@ def family_part(family: str, stages: dict, times: dict) -> list[str]:
             sentences.append(f"  Its reward counted the RM's score of the reviews too (negated on a 差评, its "
                              f"advantage added at weight {weight:g} to the verifier's: `--rm_weight`), so its RM score "
                              f"is not an independent check: the judge is.")
-    ran = {stage.split("-")[0] for stage in stages}
     sentences += [f"- {name.upper()} with the verifier: not run on this family by the pipeline (its time budget)."
-                  for name in ("grpo", "ppo") if name not in ran]
+                  for name in ("grpo", "ppo") if name not in aligned]
     count = f"{int(sft[f + 'problems'])} " if f + "problems" in sft else ""
     judge_note = (f" RM score and judge, as in the table above: the first {judged_answers(settings)} sampled "
                   f"answers of each of the {int(sft.get('praise_problems', 0))} problems that ask for a 好评 (both "
@@ -231,8 +230,7 @@ def family_part(family: str, stages: dict, times: dict) -> list[str]:
               f"temperature {settings['temperature']:g}, up to {settings['max_new_tokens']} tokens." + judge_note, "",
             markdown_table(("model", "greedy", "sampled pass@1", "KL", "mean length", "ends with [SEP]", "RM score",
                             "judge", "wall time"), rows).rstrip("\n"), ""] + sentences + [""] \
-        + (length_part(sft, {stage.split("-")[0]: m["tasks"][stage.split("-")[0]] for stage, m in stages.items()})
-           if family == "instruction" else [])
+        + (length_part(sft, aligned) if family == "instruction" else [])
 
 
 def length_part(sft: dict, aligned: dict) -> list[str]:
