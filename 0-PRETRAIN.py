@@ -25,7 +25,7 @@ from plumbing.cli import UserError, add_optimizer_argument, default_path, fill_d
 from plumbing.devices import forked_rng
 from plumbing.documents import load_text_documents
 from plumbing.flops import training_flops_per_token
-from plumbing.optimizers import make_optimizer
+from plumbing.optimizers import lr_at, make_optimizer, set_lr
 from plumbing.token_cache import PackedBlocks
 from plumbing.training import StageRun, evaluate_lm, make_accelerator
 
@@ -140,6 +140,7 @@ def main(argv=None):
     # --- the loop ------------------------------------------------------------------------------------------------
     model.train()
     for step in stage.steps():
+        set_lr(optimizer, lr_at(step, args.learning_rate, args.warmup_steps, args.max_steps))  # warm-up, cosine
         step_loss = 0.0
         for micro in range(args.gradient_accumulation_steps):
             batch = train.collate(schedule.indices(step, micro, accelerator.process_index))

@@ -44,7 +44,7 @@ from plumbing.cli import (
 )
 from plumbing.flops import training_flops_per_token
 from plumbing.markdown import markdown_table
-from plumbing.optimizers import make_optimizer
+from plumbing.optimizers import lr_at, make_optimizer, set_lr
 from plumbing.records import read_chat_pairs
 from plumbing.training import StageRun, evaluate_lm, make_accelerator
 
@@ -225,6 +225,7 @@ def main(argv=None):
     stage.results["val_loss_before_sft"] = stage.metrics.rows[0]["val_loss"]
     model.train()
     for step in stage.steps():
+        set_lr(optimizer, lr_at(step, args.learning_rate, args.warmup_steps, args.max_steps))  # warm-up, cosine
         step_loss, tokens = 0.0, 0
         for micro in range(args.gradient_accumulation_steps):
             batch = train.collate(batches[schedule.indices(step, micro, accelerator.process_index)[0]])

@@ -31,7 +31,7 @@ from plumbing.batching import BatchSchedule, length_grouped_batches, pad_right, 
 from plumbing.checkpoint import check_output_dir, load_backbone, load_checkpoint
 from plumbing.cli import UserError, default_path, fill_defaults, positive_float, positive_int, run, stage_parser
 from plumbing.flops import training_flops_per_token
-from plumbing.optimizers import make_optimizer
+from plumbing.optimizers import lr_at, make_optimizer, set_lr
 from plumbing.records import expand_files, non_blank_lines, read_jsonl, read_preference_pairs
 from plumbing.reward import pairs_ranked_right, score_texts
 from plumbing.training import StageRun, make_accelerator
@@ -320,6 +320,7 @@ def main(argv=None):
     # --- the loop ----------------------------------------------------------------------------------------------------
     model.train()
     for step in stage.steps():
+        set_lr(optimizer, lr_at(step, args.learning_rate, args.warmup_steps, args.max_steps))  # warm-up, cosine
         step_loss, step_accuracy, tokens = 0.0, 0.0, 0
         for micro in range(args.gradient_accumulation_steps):
             items = [train[i] for i in batches[schedule.indices(step, micro, accelerator.process_index)[0]]]

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 
 from chinese_tokenizer import SEP_ID, chat_prompt_ids, encode, load_tokenizer
 from gpt_fast import speed_up
-from plumbing.alignment import PROMPT_FILES, HeldOut, add_held_out_arguments, load_policy_and_reward, read_val_prompts
+from plumbing.alignment import PROMPT_FILES, add_held_out_arguments, load_policy_and_reward, read_val_prompts
 from plumbing.batching import BatchSchedule, chat_example, collate_chat, length_grouped_batches, spread_subset
 from plumbing.checkpoint import check_output_dir
 from plumbing.cli import (
@@ -40,7 +40,9 @@ from plumbing.cli import (
     stage_parser,
 )
 from plumbing.flops import training_flops_per_token
-from plumbing.optimizers import make_optimizer
+from plumbing.held_out import PREFERENCES, HeldOut
+from plumbing.judge import SentimentJudge
+from plumbing.optimizers import lr_at, make_optimizer, set_lr
 from plumbing.records import read_preference_pairs
 from plumbing.reward import pairs_ranked_right
 from plumbing.rollouts import sequence_logprobs
@@ -222,18 +224,19 @@ def main(argv=None):
     # the policy's training FLOPs; the reference's forward pass on the same tokens (a third more) is not counted
     flops_per_token = training_flops_per_token(policy.cfg, args.max_length)
     optimizer = make_optimizer(policy, args.learning_rate, args.weight_decay)
-    policy, optimizer = accelerator.prepare(policy, optimizer)
-    stage = StageRun("dpo", args, accelerator, policy, optimizer, tokenizer,
+    model, optimizer = accelerator.prepare(policy, optimizer)  # model: Accelerate's wrapper, what trains
+    policy = accelerator.unwrap_model(model, keep_torch_compile=False)  # the plain GPTModel: samples, is saved
+    stage = StageRun("dpo", args, accelerator, model, optimizer, tokenizer,
                      {**parent, "beta": args.beta, "loss": args.loss},
                      plot=("curves.png", ["train_loss", "val_loss", "val_accuracy", "val_margin"]),
                      flops_per_token=flops_per_token)
 
     # the monitors PPO and GRPO report, on the same held-out prompts and draws: what DPO did to the answers
-    held_out = HeldOut(stage, stage.unwrapped_model, ref, reward_model, read_val_prompts(args), tokenizer, args,
-                       context_length)
+    held_out = HeldOut(stage, policy, ref, read_val_prompts(args), tokenizer, args, context_length, PREFERENCES,
+                       reward_model=reward_model, judge=SentimentJudge())
 
     def evaluate_and_print() -> dict:
-        result = {f"val_{k}": v for k, v in evaluate(policy, ref, val, args, accelerator).items()}
+        result = {f"val_{k}": v for k, v in evaluate(model, ref, val, args, accelerator).items()}
         stage.print(f"step {stage.step}: val loss {result['val_loss']:.3f}, implicit-reward accuracy "
                     f"{result['val_accuracy']:.1%}, margin {result['val_margin']:.3f}")
         return result
@@ -243,8 +246,9 @@ def main(argv=None):
     sft = held_out.before(first_row=evaluate_and_print)
     # dropout off in both forwards, as TRL and the DPO authors' code do: the policy's log-probs are then a function
     # of its weights alone, so step 0 (policy == reference) gives exactly log 2 and implicit rewards 0
-    policy.eval()
+    model.eval()
     for step in stage.steps():
+        set_lr(optimizer, lr_at(step, args.learning_rate, args.warmup_steps, args.max_steps))  # warm-up, cosine
         step_loss, step_accuracy, tokens = 0.0, 0.0, 0
         for micro in range(args.gradient_accumulation_steps):
             items = [train[i] for i in batches[schedule.indices(step, micro, accelerator.process_index)[0]]]
@@ -252,7 +256,7 @@ def main(argv=None):
             with torch.no_grad(), accelerator.autocast():
                 ref_chosen, ref_rejected = pair_logprobs(ref, batch)  # (b,), (b,)
             with stage.accumulate():
-                loss, chosen, rejected = dpo_loss(*pair_logprobs(policy, batch), ref_chosen, ref_rejected,
+                loss, chosen, rejected = dpo_loss(*pair_logprobs(model, batch), ref_chosen, ref_rejected,
                                                   args.beta, args.loss)
                 accelerator.backward(loss)  # divided by the micro-batches; gradients sync on the last one
             step_loss += loss.item() / args.gradient_accumulation_steps

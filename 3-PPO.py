@@ -3,13 +3,16 @@
 Method: InstructGPT (Ouyang et al. 2022) and its predecessor (Ziegler et al. 2019, "Fine-Tuning Language Models
 from Human Preferences"): each iteration
 
-1. rollouts: sample responses to a batch of prompts with the KV-cached ``generate`` (dropout off);
-2. score: the frozen reward model scores ``[CLS] prompt [ANS] response [SEP]``; the per-token reward is
-   ``-beta * (log pi(a_t) - log pi_ref(a_t))`` with the score added on the last real response token;
-3. advantages: GAE (Schulman et al. 2016) over the response tokens from the critic's values, whitened over the
+1. sample: responses to a batch of prompts with the KV-cached ``generate`` (dropout off), with the log-probs of
+   the policy and of the frozen reference and the critic's values;
+2. score: the frozen reward model scores ``[CLS] prompt [ANS] response [SEP]`` (or a verifier gives 1 or 0);
+3. per-token rewards: ``-beta * (log pi(a_t) - log pi_ref(a_t))`` with the score added on the last real response
+   token;
+4. advantages: GAE (Schulman et al. 2016) over the response tokens from the critic's values, whitened over the
    real (non-padding) response tokens;
-4. updates: several epochs of minibatch steps on the clipped policy objective (Schulman et al. 2017) plus the
-   clipped value loss.
+5. updates: several epochs of minibatch steps on the clipped policy objective (Schulman et al. 2017) plus the
+   clipped value loss (``ppo_update``);
+6. beta follows the rollout's KL to the reference (adaptive KL control), and the iteration is logged.
 
 Against reward hacking (the policy pleasing the RM with text that is not better): the adaptive KL controller
 has a target of a few nats per response and a horizon short enough to reach it within the run, a response that
@@ -39,16 +42,10 @@ from safetensors.torch import load_model, save_model
 from chinese_tokenizer import load_tokenizer
 from gpt_fast import speed_up
 from gpt_model import RewardModel, last_real_index
-from plumbing.alignment import (
-    Online,
-    add_held_out_arguments,
-    check_rewards,
-    online_defaults,
-)
+from plumbing.alignment import Online, add_online_arguments, online_defaults
 from plumbing.batching import BatchSchedule
 from plumbing.checkpoint import check_output_dir
 from plumbing.cli import (
-    add_lora_arguments,
     check_lora_arguments,
     default_path,
     non_negative_float,
@@ -60,41 +57,35 @@ from plumbing.cli import (
 )
 from plumbing.flops import training_flops_per_token
 from plumbing.judge import KL_LIMIT
-from plumbing.optimizers import make_optimizer
+from plumbing.optimizers import lr_at, make_optimizer, set_lr
 from plumbing.rollouts import masked_mean, penalise_unfinished, token_logprobs
 from plumbing.training import StageRun, make_accelerator, mean_over_processes
 
 DEFAULT_TARGET_KL = KL_LIMIT  # nats per response: the KL controller's target, and the flag's budget when beta is fixed
 # max_steps = PPO iterations; batch_size = sequences per update micro-batch; rollout_size = prompts per iteration;
-# kl_horizon = samples over which the KL controller corrects beta; eval_samples = samples per held-out prompt
+# kl_horizon = samples over which the KL controller corrects beta; eval_samples = samples per held-out prompt; a
+# preset without a row of its own takes that of the preset of its size (cli.SAME_SIZE)
 DEFAULTS = {
     "tiny": dict(max_steps=4, rollout_size=8, batch_size=4, learning_rate=1e-4, warmup_steps=0, eval_every=2,
                  eval_examples=8, max_new_tokens=16, kl_horizon=32, eval_samples=2, kl_coef=0.05),
-    # demo: beta starts at 2 (bench/sweep_align.py: how far the policy moves depends on beta against the RM's
-    # scale; with the RM trained at one epoch (test margin about 3) beta 4 barely moved it and beta 1 cut
-    # distinct-2 by 0.05, while 2 passed every check); the held-out monitors only before and after (eval_every
-    # 20): each measurement takes about 8 s of the pipeline
+    # beta: bench/README.md, "The demo recipes" (sweep_align.py --stage ppo); held-out monitors before and after only
     "demo": dict(max_steps=20, rollout_size=16, batch_size=8, learning_rate=1e-4, warmup_steps=2, eval_every=20,
                  eval_examples=48, max_new_tokens=40, kl_horizon=64, eval_samples=4, kl_coef=2.0),
     "gpt2-zh-small": dict(max_steps=400, rollout_size=64, batch_size=16, learning_rate=1e-5, warmup_steps=10,
                           eval_every=50, eval_examples=200, max_new_tokens=64, save_every=50, kl_horizon=2560,
                           eval_samples=2, kl_coef=0.05),
 }
-DEFAULTS["uer-gpt2-chinese"] = DEFAULTS["gpt2-zh-small"]  # uer's weights are that size (12 x 768): one recipe
-# --verifier: the review instructions (see 3-GRPO.py's TASK_DEFAULTS), rewards of 0 or 1. demo: 6 iterations of 64
-# answers at 5e-5 (bench/README.md, "RL teaches the review instructions": 24 iterations gave +27 points held-out at
-# KL 2.1, 12 +18 to +30; 6, and 2 samples per held-out problem, fit the pipeline's bf16 budget, "The pipeline's
-# wall time")
+# --verifier: the review instructions, rewards of 0 or 1 (answers of up to 64 tokens, the whole test split)
 TASK_DEFAULTS = {
     "tiny": dict(max_steps=4, rollout_size=8, batch_size=8, learning_rate=1e-4, warmup_steps=0, eval_every=4,
                  eval_examples=8, max_new_tokens=8, kl_horizon=32, eval_samples=2, kl_coef=0.05),
+    # iterations, lr, eval_samples: bench/README.md, "RL teaches the review instructions", "The pipeline's wall time"
     "demo": dict(max_steps=6, rollout_size=64, batch_size=32, learning_rate=5e-5, warmup_steps=2, eval_every=6,
                  eval_examples=500, max_new_tokens=64, kl_horizon=1024, eval_samples=2, kl_coef=0.05),
     "gpt2-zh-small": dict(max_steps=200, rollout_size=64, batch_size=32, learning_rate=1e-6, warmup_steps=10,
                           eval_every=50, eval_examples=500, max_new_tokens=64, save_every=50, kl_horizon=2560,
                           eval_samples=4, kl_coef=0.05),
 }
-TASK_DEFAULTS["uer-gpt2-chinese"] = TASK_DEFAULTS["gpt2-zh-small"]  # uer's weights are that size (12 x 768): one recipe
 
 
 def parse_args(argv=None):
@@ -103,33 +94,19 @@ def parse_args(argv=None):
                      None, {**DEFAULTS, **{f"{k} with --verifier": v for k, v in TASK_DEFAULTS.items()}},
                      steps="PPO iterations (a rollout of --rollout_size prompts, then the updates on it)",
                      examples="held-out prompts (the first of --val_prompts_file)")
-    p.add_argument("--policy", default=default_path("checkpoints", "sft"), help="SFT checkpoint: policy and reference")
-    p.add_argument("--prompts_file",
-                   help='what the policy answers: .jsonl lines with a "prompt" (or alpaca / "messages" records, '
-                        'records.prompt_of) or a .txt file of one prompt per line (default: data/ppo/prompts.jsonl); '
-                        'with --verifier problems with answers (default: data/instructions/train.jsonl; the second '
-                        'family: data/sentiment/train.jsonl)')
-    add_held_out_arguments(p, "PPO")
-    add_lora_arguments(p)
-    p.add_argument("--rollout_size", type=positive_int, help="prompts sampled per iteration (per process)")
+    add_online_arguments(p, "PPO")
     p.add_argument("--ppo_epochs", type=positive_int, default=4, help="passes over each rollout batch")
-    p.add_argument("--kl_coef", type=non_negative_float,
-                   help="beta, the weight of the per-token KL penalty, at the start (see --target_kl; default: the "
-                        "preset's)")
     p.add_argument("--target_kl", type=non_negative_float, default=DEFAULT_TARGET_KL,
                    help="adaptive KL control (Ziegler et al. 2019): steer beta so the KL to the SFT model stays near "
                         "this many nats per response; past it the reward-hacking flag is raised; 0 keeps beta fixed")
     p.add_argument("--kl_horizon", type=positive_int,
                    help="the KL controller's horizon in samples: each iteration beta changes by up to 20%% x "
                         "rollout samples / horizon (Ziegler et al. used 10000 for runs of a million samples)")
-    p.add_argument("--no_eos_penalty", type=non_negative_float, default=1.0,
-                   help="subtracted from the reward of a response that reaches --max_new_tokens without [SEP]")
     p.add_argument("--max_approx_kl", type=non_negative_float, default=0.02,
                    help="stop an iteration's PPO epochs once the mean approximate KL between the sampling policy and "
                         "the updated one passes this many nats per token (0: never stop early)")
     p.add_argument("--gamma", type=unit_interval, default=1.0, help="discount, in [0, 1]")
     p.add_argument("--lam", type=unit_interval, default=0.95, help="GAE lambda, in [0, 1]")
-    p.add_argument("--cliprange", type=positive_float, default=0.2, help="PPO ratio clip epsilon")
     p.add_argument("--cliprange_value", type=positive_float, default=0.2, help="value clip")
     p.add_argument("--vf_coef", type=positive_float, default=0.5, help="weight of the value loss")
     args = p.parse_args(argv)
@@ -283,53 +260,58 @@ def main(argv=None):
     speed_up(online.policy, online.ref, online.reward_model, online.review_model, critic)  # gpt_fast.py
 
     # --- optimizer, Accelerate, and the stage's plumbing (which resumes a run given --resume) -----------------------
-    trained = PolicyAndCritic(online.policy, critic)
-    optimizer = make_optimizer(trained, args.learning_rate, args.weight_decay)
-    trained, optimizer = accelerator.prepare(trained, optimizer)
-    trained.eval()  # dropout off everywhere: rollouts and updates see the same network
-    unwrapped = accelerator.unwrap_model(trained)
-    stage = StageRun("ppo", args, accelerator, trained, optimizer, tokenizer, online.parent,
-                     plot=("curves.png", CURVES), unwrapped_model=unwrapped.policy, extra={"kl_coef": args.kl_coef},
-                     write_state=lambda d: save_model(unwrapped.critic, os.path.join(d, "critic.safetensors")),
+    model = PolicyAndCritic(online.policy, critic)
+    optimizer = make_optimizer(model, args.learning_rate, args.weight_decay)
+    model, optimizer = accelerator.prepare(model, optimizer)  # model: Accelerate's wrapper, what trains
+    model.eval()  # dropout off everywhere: rollouts and updates see the same network
+    plain = accelerator.unwrap_model(model, keep_torch_compile=False)
+    policy, critic = plain.policy, plain.critic  # the plain modules: they sample, and are saved
+    stage = StageRun("ppo", args, accelerator, model, optimizer, tokenizer, online.parent,
+                     plot=("curves.png", CURVES), unwrapped_model=policy, extra={"kl_coef": args.kl_coef},
+                     write_state=lambda d: save_model(critic, os.path.join(d, "critic.safetensors")),
                      # policy and critic trained on each sampled token --ppo_epochs times (fewer when --max_approx_kl
                      # stops them early: then this is an upper bound; the sampling itself is not counted)
                      flops_per_token=args.ppo_epochs * (training_flops_per_token(critic.cfg, context_length, False)
                                                         + training_flops_per_token(critic.cfg, context_length)))
     if args.resume:
-        load_model(unwrapped.critic, os.path.join(args.output_dir, "state", "critic.safetensors"))
+        load_model(critic, os.path.join(args.output_dir, "state", "critic.safetensors"))
     kl_limit = args.target_kl or DEFAULT_TARGET_KL  # the flag's KL budget, also when beta is fixed
-    held_out = online.held_out(stage, unwrapped.policy)
+    held_out = online.held_out(stage, policy)
     sft = held_out.before()  # step 0 of the val_* curves: the SFT policy before any update
 
     # --- the loop: PPO's algorithm, one iteration per step -------------------------------------------------------
     schedule = BatchSchedule(len(prompts), args.rollout_size, 1, accelerator.num_processes, args.seed)
     for step in stage.steps():
-        # 1. rollouts: answers sampled, then the log-probs of policy and reference, the reward, the critic's values
+        set_lr(optimizer, lr_at(step, args.learning_rate, args.warmup_steps, args.max_steps))  # warm-up, cosine
+        # 1. sample: answers, the log-probs of policy and reference, the critic's values
         batch_prompts = [prompts[i] for i in schedule.indices(step, 0, accelerator.process_index)]
         with accelerator.autocast():  # policy, reference, critic and RM alike: KL is exactly 0 before any update
-            data = online.rollout(unwrapped.policy, batch_prompts, critic=unwrapped.critic)
-        check_rewards(data["scores"], batch_prompts, stage.step + 1)  # a NaN score stops here, before any update
-        # 2. per-token rewards: the score on the last token, minus beta times the KL to the reference on each
+            data = online.rollout(policy, batch_prompts, critic=critic)
+            # 2. score: (B, K), one column per reward; their weighted sum is the answer's score
+            rewards = online.score(data)
+        # 3. per-token rewards: the score on the last token, minus beta times the KL to the reference on each
         mask, beta = data["response_mask"], stage.extra["kl_coef"]
-        scores = penalise_unfinished(data["scores"], data["ended"], args.no_eos_penalty)
-        rewards = kl_penalised_rewards(scores, data["logprobs"], data["ref_logprobs"], mask, beta)
-        # 3. advantages by GAE from the critic's values, whitened, and the returns the critic learns
-        advantages, returns = gae(rewards, data["values"], mask, args.gamma, args.lam)
+        scores = penalise_unfinished(torch.nansum(rewards * online.weights, dim=1), data["ended"],
+                                     args.no_eos_penalty)  # (B,)
+        token_rewards = kl_penalised_rewards(scores, data["logprobs"], data["ref_logprobs"], mask, beta)
+        # 4. advantages by GAE from the critic's values, whitened, and the returns the critic learns
+        advantages, returns = gae(token_rewards, data["values"], mask, args.gamma, args.lam)
         advantages = masked_whiten(advantages, mask)
         # the rollout's monitors, averaged over every process's rollouts: beta must move alike everywhere
-        monitors = held_out.rollout_row(data)
+        monitors = online.rollout_row(data, rewards)
         monitors = dict(zip(monitors, mean_over_processes(accelerator, list(monitors.values()))))
-        # 4. the clipped updates of policy and critic
-        stats = ppo_update(trained, optimizer, stage, data, advantages, returns, args)
+        # 5. update: the clipped updates of policy and critic
+        stats = ppo_update(model, optimizer, stage, data, advantages, returns, args)
         stage.end_step(stats["policy_loss"] + stats["value_loss"], tokens=int(data["attention_mask"].sum()))
-        # 5. beta follows the KL of the rollout to the reference (adaptive KL control)
+        # 6. beta follows the KL of the rollout to the reference (adaptive KL control)
         if args.target_kl > 0:
             stage.extra["kl_coef"] = adaptive_kl_coef(beta, monitors["kl"], args.target_kl,
                                                       len(batch_prompts) * accelerator.num_processes,
                                                       args.kl_horizon)
+        # 7. log, with the held-out monitors every --eval_every iterations but the last (the final measurement is it)
         row = {**monitors, "kl_coef": stage.extra["kl_coef"], **stats}
-        if stage.eval_due and not stage.completed:
-            row.update(held_out.val_row(f"iteration {stage.step}"))
+        if (step + 1) % args.eval_every == 0 and step + 1 < args.max_steps:
+            row.update(held_out.val_row(f"iteration {step + 1}"))
         stage.log(row, show=("score", "kl", "kl_coef"))
     if not stage.completed:
         return stage.finish()

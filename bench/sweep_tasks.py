@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+import types
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # the repository root
 
@@ -26,9 +27,10 @@ import torch
 from plumbing.batching import BatchSchedule, ChatPairs, length_grouped_batches
 from plumbing.checkpoint import load_checkpoint
 from plumbing.cli import ArgumentParser, default_path, run
+from plumbing.held_out import measure
 from plumbing.optimizers import lr_at, make_optimizer, set_lr
 from plumbing.records import read_tasks
-from plumbing.tasks import describe_tasks, measure_tasks
+from plumbing.tasks import describe_tasks, task_monitors
 
 
 def parse_args(argv=None):
@@ -87,8 +89,10 @@ def main(argv=None):
         optimizer.zero_grad()
         if (step + 1) % args.every == 0:
             model.eval()
-            monitors, _ = measure_tasks(model, model, val, tokenizer, args.samples, 8, model.cfg.context_length,
-                                        "cpu", 1)
+            rows = measure(model, model, val, args.samples, tokenizer,
+                           types.SimpleNamespace(max_new_tokens=8, seed=1), model.cfg.context_length, "cpu",
+                           verifier="exact")
+            monitors = task_monitors(rows, val, args.samples)
             model.train()
             print(f"step {step + 1}: train loss {loss.item():.3f}, {time.time() - started:.0f} s; "
                   f"{describe_tasks(monitors)}", flush=True)

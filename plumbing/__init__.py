@@ -13,9 +13,10 @@ Training:                 devices (precision, device, the RNG around sampling), 
                           GPU peaks, MFU), optimizers (AdamW, Muon, the schedule), training (StageRun and the
                           loop's pieces)
 Alignment and judging:    rollouts (sampling answers, their log-probs), reward (scoring with an RM, the pair-accuracy
-                          rule), alignment (the aligners' rewards, set-up and held-out monitors), judge (the
-                          independent judge and the monitors), baselines (counting)
-Verifiable tasks:         verifiers (the strict checkers), tasks (the verifier's reward, exact accuracy, pass@k)
+                          rule), alignment (the online aligners' rewards and set-up), held_out (the held-out
+                          measurement of every aligner), judge (the independent judge and the monitors), baselines
+                          (counting)
+Verifiable tasks:         verifiers (the strict checkers), tasks (exact accuracy, pass@k, the verifiable path's flag)
 Inference and export:     inference (loading a model to answer with), hf_weights (weights in and out of transformers)
 Reporting:                report (the report card and the Markdown table helper)
 """

@@ -1,31 +1,29 @@
-"""What the alignment stages (3-PPO.py, 3-DPO.py, 3-GRPO.py) share, written once: where their reward comes from and
-how their answers are measured. (Sampling and log-probabilities are in ``rollouts.py``; the verifiable tasks'
-reward and measurement in ``tasks.py``.)
+"""What the online aligners (3-PPO.py, 3-GRPO.py) share, written once, and the set-up DPO shares with them: the
+models, the prompts and the rewards. (Sampling and log-probabilities are in ``rollouts.py``; the held-out
+measurement in ``held_out.py``.)
 
 "Reward" names four things in these stages; every figure says which:
 
 * the **RM score**: the reward model's number for an answer (``rm_reward``), what PPO and GRPO maximise on the
   preference path and what the held-out "RM score" is;
-* the **verifier**: 1 when a program accepts the answer, else 0 (``tasks.verifier_reward``), the reward with
+* the **verifier**: 1 when a program accepts the answer, else 0 (``verifier_reward``), the reward with
   ``--verifier``; its held-out mean is the exact accuracy (pass@1);
 * the **judge**: the independent sentiment classifier (``judge.SentimentJudge``), never trained on, only measured
   beside the other two, so that a policy that fools its reward shows;
 * **DPO's implicit reward**: beta * log(pi / pi_ref) of an answer, what 3-DPO.py ranks pairs by; it is never
   computed for a sampled answer.
 
-The first two are one interface, ``reward(prompts, responses)`` -> one float per response (as TRL's reward
-functions), which ``rollouts.rollout`` calls the same way for PPO and GRPO.
+An online aligner's reward is a list of ``Reward``s (as TRL's reward functions with their weights): each a name, a
+weight and a function ``(prompts, responses) -> (B,)`` float32 that is NaN where it does not apply. The RM alone
+on the preference path; on the verifiable path the verifier, and with GRPO's ``--rm_weight`` the RM's score of
+the reviews (``review_reward``). ``Online.score`` computes them, one column each, right after the rollout.
 
-* rewards: ``rm_reward`` (the verifier's twin is ``tasks.verifier_reward``) and ``check_rewards`` (a non-finite
-  reward stops the run before any update);
-* monitors: ``monitors_of`` and ``held_out_monitors`` (the RM score beside the independent judge, KL, entropy,
-  length, ``[SEP]`` share and repetition, see ``judge.py``), their metrics-row names (``as_val_row``,
-  ``from_val_row``), ``describe`` for the console and ``write_samples`` for samples.md;
-* the held-out measurement before and after a stage, one story for both paths (``HeldOutBase``): ``HeldOut``
-  (the RM score and the judge; PPO, DPO, GRPO) and ``TaskHeldOut`` (exact accuracy, with ``--verifier``);
-* set-up: ``add_held_out_arguments`` (the reward's and the held-out monitors' flags, the same in all three stages),
-  ``read_prompts``, ``load_policy_and_ref``, ``load_reward_model``, ``load_policy_and_reward`` and ``Online``
-  (an online aligner's policy, reference, prompts and reward, from an RM or a verifier), ``online_defaults``.
+* rewards: ``Reward``, ``rm_reward``, ``review_reward``, ``verifier_reward``, ``check_rewards`` (a reward that is
+  not finite where it must be stops the run before any update);
+* set-up: ``add_online_arguments`` (the flags PPO and GRPO share) and ``add_held_out_arguments`` (those all three
+  share), ``read_prompts``, ``load_policy_and_ref``, ``load_reward_model``, ``load_policy_and_reward``,
+  ``online_defaults`` and ``Online``: an online aligner's policy, reference, prompts, rewards, the monitors of a
+  training rollout (``Online.rollout_row``) and its held-out measurement (``Online.held_out``).
 
 The stage-specific maths (PPO's GAE and clipped losses, DPO's loss, GRPO's group advantages) stays in each stage.
 """
@@ -35,342 +33,117 @@ from __future__ import annotations
 import copy
 import os
 import sys
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 from accelerate import PartialState
 
 from chinese_tokenizer import decode
 from lora import AdaptersOff, add_lora, trainable_parameters
-from plumbing.checkpoint import CHAT_STAGES, load_backbone, load_checkpoint, parent_meta, read_config, weights_digest
-from plumbing.cli import UserError, default_path, fill_defaults, positive_int
-from plumbing.devices import forked_rng
-from plumbing.judge import KL_LIMIT, SentimentJudge, reward_hacking_flag, summarize
-from plumbing.markdown import markdown_table
+from plumbing.checkpoint import CHAT_STAGES, load_backbone, load_checkpoint, parent_meta, read_config
+from plumbing.cli import (
+    SAME_SIZE,
+    UserError,
+    add_lora_arguments,
+    default_path,
+    fill_defaults,
+    non_negative_float,
+    positive_float,
+    positive_int,
+)
+from plumbing.held_out import PREFERENCES, SFT_SAMPLES, TASKS, HeldOut
+from plumbing.judge import SentimentJudge, summarize
 from plumbing.records import read_prompt_files, read_tasks, shown_prompt
 from plumbing.rollouts import kl_per_response, response_token_lists, rollout
-from plumbing.tasks import (
-    RM_SAMPLES,
-    SFT_SAMPLES,
-    asks_for_praise,
-    describe_tasks,
-    measure_tasks,
-    review_polarity,
-    task_hacking_flag,
-    task_rollout_row,
-    verifier_reward,
-    write_task_samples,
-)
+from plumbing.tasks import answer_text, asks_for_praise, review_polarity
 from plumbing.verifiers import VERIFIERS
 
 
-def check_rewards(scores, prompts, iteration: int) -> None:
-    """Stop before any update when a reward is not finite: one NaN RM score would turn its group's advantages (GRPO)
-    or its response's returns (PPO) into NaN, which backward and an optimizer step would spread to every weight.
+class Reward(NamedTuple):
+    """One term of an online aligner's reward: ``fn(prompts, responses)`` -> (B,) float32, NaN on the rows it
+    does not apply to, counted at ``weight``. ``responses`` is a rollout's dict (``rollouts.rollout``)."""
+    name: str
+    weight: float
+    fn: Callable
+
+
+def check_rewards(rewards, prompts, names) -> None:
+    """Stop before any update when a reward is not finite where it must be: one NaN RM score would turn its group's
+    advantages (GRPO) or its response's returns (PPO) into NaN, which backward and an optimizer step would spread to
+    every weight. The first reward applies to every answer; the others may be NaN (not applicable), never infinite.
 
     Args:
-        scores: (B,) rewards of the responses to ``prompts`` (one prompt per row).
+        rewards: (B, K) the rewards of the responses to ``prompts`` (one prompt per row), column k named names[k].
     Raises:
-        UserError: naming the first prompt whose answer got a non-finite reward and the iteration.
+        UserError: naming the reward, the first prompt whose answer got a bad value, and the likely cause.
     """
-    bad = (~torch.isfinite(scores)).nonzero()
-    if len(bad):
-        i = int(bad[0])
-        raise UserError(f"iteration {iteration}: the reward of the answer to prompt {shown_prompt(prompts[i])!r} is "
-                        f"{scores[i].item()} ({len(bad)} of {len(scores)} rewards are not finite); the reward model "
-                        f"(--reward) is broken: score a few texts with 2-RM.py --score to see, and retrain it")
+    bad = ~torch.isfinite(rewards)
+    bad[:, 1:] &= ~torch.isnan(rewards[:, 1:])
+    if bad.any():
+        i, k = (int(x) for x in bad.nonzero()[0])
+        raise UserError(f"the {names[k]} reward of the answer to prompt {shown_prompt(prompts[i])!r} is "
+                        f"{rewards[i, k].item()} ({int(bad.sum())} of {bad.numel()} rewards are not finite); the "
+                        f"reward model (--reward) is broken: score a few texts with 2-RM.py --score to see, and "
+                        f"retrain it")
 
 
 def rm_reward(reward_model):
-    """The reward model as a reward: ``reward(prompts, responses)`` -> (B,) float32, the one interface every reward
-    of the online aligners has (as TRL's reward functions; the verifier's is ``tasks.verifier_reward``). Each
-    response is scored as generated, the whole sequence read at its last real token (an unfinished answer has no
-    [SEP]). ``responses``: a rollout's dict (``rollouts.rollout``); ``prompts`` are not read, the RM reads tokens."""
+    """The reward model as a reward: ``reward(prompts, responses)`` -> (B,) float32. Each response is scored as
+    generated, the whole sequence read at its last real token (an unfinished answer has no [SEP]). ``prompts`` are
+    not read: the RM reads the tokens."""
     def reward(prompts, responses):
         return reward_model(responses["input_ids"], responses["attention_mask"])["rewards"].float()
     return reward
 
 
-def monitors_of(batches, judge, tokenizer):
-    """``judge.summarize`` over the responses of one or more ``rollout`` dicts (the RM score is the raw score,
-    before the no-[SEP] penalty; entropy is the mean over all real response tokens). Returns (monitors, texts)."""
-    ids = [r for data in batches for r in response_token_lists(data)]
-    texts = [decode(r, tokenizer) for r in ids]
-    cat = {k: torch.cat([data[k] for data in batches]) for k in ("ended", "scores")}
-    kl = torch.cat([kl_per_response(d["logprobs"], d["ref_logprobs"], d["response_mask"]) for d in batches])
-    entropy = sum((d["entropy"] * d["response_mask"]).sum() for d in batches) / sum(
-        d["response_mask"].sum() for d in batches).clamp(min=1)
-    return summarize(ids, cat["ended"].tolist(), cat["scores"].tolist(), judge(texts), kl.tolist(),
-                     entropy.item()), texts
+def review_reward(reward_model):
+    """How good a review each answer is, by the reward model (``--rm_weight``): ``reward(prompts, responses)`` ->
+    (B,) float32, the RM's score on a 好评 problem, its negative on a 差评 (``tasks.review_polarity``), NaN on any
+    other problem. The RM scores how positive a review is (its pairs put a positive review above a negative one),
+    so on a 差评 the lower score is the better answer; counting the 好评 alone, GRPO also made the 差评 answers more
+    positive (bench/README.md, "Keeping the reviews"). One pass scores every row."""
+    def reward(prompts, responses):
+        device = responses["input_ids"].device
+        polarity = torch.tensor([review_polarity(p) for p in prompts], dtype=torch.float32, device=device)  # (B,)
+        scores = rm_reward(reward_model)(prompts, responses)  # (B,)
+        return torch.where(polarity != 0, polarity * scores, torch.nan)
+    return reward
 
 
-HELD_OUT_BATCH = 64  # responses per batch of the held-out monitors, the same in every stage (64 decoded fastest)
-# Held-out monitors already measured in this process, by everything that decides them (``held_out_key``). The
-# pipeline runs PPO, DPO and GRPO in one process, and each starts by measuring the same SFT policy on the same
-# draws: the second and third get the first one's figures instead of sampling them again.
-_MEASURED: dict = {}
+def verifier_reward(name: str, tokenizer):
+    """A verifier as a reward: ``reward(tasks, responses)`` -> (B,) float32, 1.0 for a response that ended with
+    ``[SEP]`` and whose text the verifier ``name`` (``verifiers.VERIFIERS``) accepts for the task's answer, else
+    0.0. ``tasks``: task dicts (``records.read_tasks``). An answer cut off by the token limit is never right: the
+    answer is the whole response up to ``[SEP]``; one with a special token in it neither (``tasks.answer_text``)."""
+    verifier = VERIFIERS[name]
+
+    def reward(tasks, responses):
+        texts = [answer_text(ids, tokenizer) for ids in response_token_lists(responses)]
+        right = [bool(ended) and text is not None and verifier(t["family"], text, t["answer"], t["prompt"])
+                 for t, text, ended in zip(tasks, texts, responses["ended"].tolist())]
+        return torch.tensor(right, dtype=torch.float32, device=responses["input_ids"].device)
+    return reward
 
 
-def held_out_key(policy, ref, reward_model, judge, prompts, args, context_length, device, seed) -> tuple:
-    """What ``held_out_monitors`` depends on: the three models' weights, the judge, the prompts, the sampling
-    settings, the seed, the device and the autocast precision in force."""
-    kind = torch.device(device).type
-    autocast = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
-    return (weights_digest(policy, ref, reward_model), type(judge).__name__, repr(list(prompts)),
-            args.eval_samples, args.max_new_tokens, context_length, str(device), seed, str(autocast),
-            HELD_OUT_BATCH)
-
-
-@torch.no_grad()
-def held_out_monitors(policy, ref, reward_model, judge, prompts, tokenizer, args, context_length, device, seed):
-    """The monitors of ``args.eval_samples`` sampled responses per held-out prompt, with a fixed seed and batches of
-    ``HELD_OUT_BATCH`` (so the SFT policy and every aligned one, PPO, DPO or GRPO, are compared on the same draws of
-    randomness), and every (prompt, response, RM score) for samples.md. A measurement this process has made
-    already (same weights, prompts and settings: ``held_out_key``) is returned again instead of being redone."""
-    key = held_out_key(policy, ref, reward_model, judge, prompts, args, context_length, device, seed)
-    if key not in _MEASURED:
-        _MEASURED[key] = _measure_held_out(policy, ref, reward_model, judge, prompts, tokenizer, args,
-                                           context_length, device, seed)
-    return copy.deepcopy(_MEASURED[key])
-
-
-def _measure_held_out(policy, ref, reward_model, judge, prompts, tokenizer, args, context_length, device, seed):
-    flat = [p for p in prompts for _ in range(args.eval_samples)]
-    with forked_rng(device):
-        torch.manual_seed(seed)
-        reward = rm_reward(reward_model)
-        batches = [rollout(policy, flat[start:start + HELD_OUT_BATCH], ref=ref, reward=reward, tokenizer=tokenizer,
-                           args=args, context_length=context_length, device=device)
-                   for start in range(0, len(flat), HELD_OUT_BATCH)]
-    monitors, texts = monitors_of(batches, judge, tokenizer)
-    scores = torch.cat([data["scores"] for data in batches]).tolist()
-    examples = [{"prompt": p, "response": t, "score": round(s, 3)} for p, t, s in zip(flat, texts, scores)]
-    return monitors, examples
-
-
-ROLLOUT_MONITORS = ("judge", "kl", "entropy", "length", "eos_share", "distinct_2", "longest_run")
-
-
-def as_val_row(monitors: dict) -> dict:
-    """Held-out monitors as metrics-row keys: rm_score -> val_score (the curve's old name), x -> val_x."""
-    return {("val_score" + k[len("rm_score"):] if k.startswith("rm_score") else "val_" + k): v
-            for k, v in monitors.items()}
-
-
-def from_val_row(row: dict) -> dict:
-    """The inverse of ``as_val_row`` (the SFT monitors are read back from step 0's row on --resume)."""
-    monitors = {}
-    for k, v in row.items():
-        if k.startswith("val_score") and k != "val_score_sft":
-            monitors["rm_score" + k[len("val_score"):]] = v
-        elif k.startswith("val_") and k != "val_score_sft":
-            monitors[k[len("val_"):]] = v
-    return monitors
-
-
-def rounded(monitors: dict) -> dict:
-    # 6 places: the report prints 3, and rounding twice (to 4, then 3) could show 0.996 where the log said 0.995
-    return {k: round(v, 6) for k, v in monitors.items()}
-
-
-def describe(m: dict) -> str:
-    """One line of held-out monitors for the console."""
-    return (f"RM score {m['rm_score']:.3f}, judge {m['judge']:.3f} ± {m['judge_se']:.3f}, KL {m['kl']:.2f}, "
-            f"entropy {m['entropy']:.2f}, length {m['length']:.1f}, ends with [SEP] {m['eos_share']:.0%}, "
-            f"distinct-2 {m['distinct_2']:.3f}, longest run {m['longest_run']:.1f}")
-
-
-def write_samples(path, examples):
-    """``samples.md``: an aligned policy's held-out answers (the first sample of each prompt) with their RM scores."""
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(markdown_table(("prompt", "response", "RM score"),
-                               [(shown_prompt(e["prompt"]), e["response"], e["score"]) for e in examples]))
-
-
-# the keys of ``judge.summarize`` with KL and entropy: what the held-out monitors hold (a step-0 row also has DPO's
-# val_loss / val_accuracy / val_margin, which are no monitors)
-MONITOR_KEYS = ("rm_score", "rm_score_se", "judge", "judge_se", "distinct_2", "longest_run", "eos_share", "length",
-                "kl", "kl_se", "entropy")
-
-
-class HeldOutBase:
-    """The held-out measurement of an alignment stage, one story for both paths: the SFT policy before any update,
-    the policy now and then, the aligned policy at the end, each measured in eval mode (dropout off) under the
-    stage's autocast (the precision of its updates, so scores and KL compare like with like) and printed on one line.
-
-    * ``measure(tag, samples)``: (monitors, examples) of the policy now, ``samples`` answers per held-out prompt;
-    * ``val_row(tag)``: the monitors now as keys of a metrics row;
-    * ``before(first_row)``: step 0, the SFT policy with ``sft_samples`` answers per prompt, logged in the step-0
-      metrics row (beside the stage's own ``first_row()``, e.g. DPO's pair metrics); on ``--resume`` read back from
-      that row;
-    * ``after(name, sft)``: the aligned policy's monitors, recorded in the last metrics row and in the stage's
-      results with the SFT ones, the reward-hacking flag and the settings they were sampled with; samples.md.
-
-    A path says what it measures: ``sample(samples)`` -> (monitors, examples), ``describe``, ``as_row`` and
-    ``from_row`` (the metrics-row keys), ``flag`` (``judge.reward_hacking_flag`` or ``tasks.task_hacking_flag``),
-    ``results`` (what the stage's config.json keeps), ``write_samples``, ``summary`` and ``rollout_row`` (what a
-    training rollout's row says). ``HeldOut`` is the preference path, ``TaskHeldOut`` the verifiable one.
-
-    Args:
-        stage: the stage's ``training.StageRun``; policy: the unwrapped policy (a ``GPTModel``); ref: the frozen SFT
-            reference; prompts: the held-out prompts (or problems); args: the stage's arguments (``eval_samples``,
-            ``max_new_tokens``, ``seed``).
-    """
-    unit = "prompts"
-
-    def __init__(self, stage, policy, ref, prompts, tokenizer, args, context_length: int):
-        self.stage, self.policy, self.ref, self.prompts = stage, policy, ref, prompts
-        self.tokenizer, self.args, self.context_length = tokenizer, args, context_length
-        self.sft_samples = args.eval_samples
-
-    def measure(self, tag: str, samples: int | None = None):
-        """(monitors, examples) of the policy as it is now, ``samples`` (default ``--eval_samples``) per prompt."""
-        samples = samples or self.args.eval_samples
-        was_training = self.policy.training
-        self.policy.eval()
-        with self.stage.accelerator.autocast():
-            monitors, examples = self.sample(samples)
-        self.policy.train(was_training)
-        self.stage.print(f"{tag} on {len(self.prompts)} held-out {self.unit} x {samples}: {self.describe(monitors)}")
-        return monitors, examples
-
-    def val_row(self, tag: str) -> dict:
-        """The monitors of the policy now as keys of a metrics row."""
-        return self.as_row(self.measure(tag)[0])
-
-    def before(self, first_row=None) -> dict:
-        """The SFT policy's monitors: measured and logged at step 0 (with ``first_row()``'s values, if given), read
-        back from the step-0 row after ``--resume``."""
-        if self.stage.step == 0:
-            row = first_row() if first_row is not None else {}
-            self.stage.log({**row, **self.as_row(self.measure("SFT policy", self.sft_samples)[0])})
-        return self.from_row(self.stage.metrics.rows[0])
-
-    def after(self, name: str, sft: dict, kl_limit: float = KL_LIMIT) -> dict:
-        """The aligned policy's monitors, recorded with the SFT ones (``sft``), the flag (printed when raised) and
-        ``settings``; ``name`` is the stage ("ppo", ...). Returns the monitors."""
-        monitors, examples = self.measure(f"{name.upper()} policy")
-        self.stage.metrics.rows[-1].update(self.as_row(monitors))
-        flag = self.flag(sft, monitors, kl_limit)
-        self.stage.results.update({**self.results(name, sft, monitors), "kl": monitors["kl"], "kl_limit": kl_limit,
-                                   "reward_hacking": flag})
-        self.stage.files["samples.md"] = lambda path: self.write_samples(path, examples)
-        if flag:
-            self.stage.print(flag)
-        return monitors
-
-
-class HeldOut(HeldOutBase):
-    """The preference path's held-out measurement (PPO, DPO and GRPO with a reward model): the RM score beside the
-    independent judge, KL, entropy, length, [SEP] share and repetition of ``--eval_samples`` sampled answers per
-    held-out prompt (``held_out_monitors``), the reward-hacking flag of ``judge.reward_hacking_flag``.
-
-    Args: as ``HeldOutBase``, and reward_model: the frozen RM.
-    """
-
-    def __init__(self, stage, policy, ref, reward_model, prompts, tokenizer, args, context_length: int):
-        super().__init__(stage, policy, ref, prompts, tokenizer, args, context_length)
-        self.reward_model, self.judge = reward_model, SentimentJudge()
-
-    @property
-    def settings(self) -> dict:
-        return {"prompts": list(self.prompts), "samples_per_prompt": self.args.eval_samples, "temperature": 1.0,
-                "max_new_tokens": self.args.max_new_tokens}
-
-    def sample(self, samples: int):
-        args = copy.copy(self.args)
-        args.eval_samples = samples
-        return held_out_monitors(self.policy, self.ref, self.reward_model, self.judge, self.prompts, self.tokenizer,
-                                 args, self.context_length, self.stage.accelerator.device, self.args.seed)
-
-    describe = staticmethod(describe)
-    as_row = staticmethod(as_val_row)
-
-    @staticmethod
-    def from_row(row: dict) -> dict:
-        return {k: v for k, v in from_val_row(row).items() if k in MONITOR_KEYS}
-
-    flag = staticmethod(reward_hacking_flag)
-
-    def results(self, name: str, sft: dict, after: dict) -> dict:
-        return {"val_score_sft": sft["rm_score"], f"val_score_{name}": after["rm_score"],
-                "val_score_gain": after["rm_score"] - sft["rm_score"],
-                "held_out": {"sft": rounded(sft), name: rounded(after)}, "held_out_settings": self.settings}
-
-    def write_samples(self, path, examples):
-        write_samples(path, examples[::self.args.eval_samples][:12])  # the first sample of each prompt
-
-    def rollout_row(self, data) -> dict:
-        """What a training rollout's metrics row says on this path: the RM score (before the no-[SEP] penalty), the
-        judge, KL, entropy, length, [SEP] share and repetition (``monitors_of``)."""
-        monitors = monitors_of([data], self.judge, self.tokenizer)[0]
-        return {"score": monitors["rm_score"], **{k: monitors[k] for k in ROLLOUT_MONITORS}}
-
-    @staticmethod
-    def summary(sft: dict, after: dict, name: str) -> str:
-        """The closing message's figures: SFT -> the aligned policy."""
-        return (f"held-out RM score {sft['rm_score']:.3f} (SFT) -> {after['rm_score']:.3f} ({name}), judge "
-                f"{sft['judge']:.3f} -> {after['judge']:.3f}, KL {after['kl']:.2f} nats/response")
-
-
-class TaskHeldOut(HeldOutBase):
-    """The verifiable path's held-out measurement (GRPO and PPO with ``--verifier``): exact accuracy on held-out
-    problems (``tasks.measure_tasks``), the SFT policy at step 0 with ``tasks.SFT_SAMPLES`` samples per problem (its
-    pass@4 and pass@16 are best-of-4 and best-of-16 by the verifier), the aligned one with ``--eval_samples``; the
-    flag of ``tasks.task_hacking_flag``.
-
-    Args: as ``HeldOutBase`` (``prompts``: the held-out problems), and verifier: the name the stage trains with
-        (``--verifier``); reward_model: a frozen RM that scores the answers to the problems asking for a 好评, beside
-        the independent judge (here a monitor), or None; review_weight: the weight it had in the training reward
-        (``Online.review_weight``, GRPO's ``--rm_weight``), which ``settings`` records.
-    """
-    unit = "problems"
-
-    def __init__(self, stage, policy, ref, tasks, tokenizer, args, context_length: int, verifier: str,
-                 reward_model=None, review_weight: float = 0.0):
-        super().__init__(stage, policy, ref, tasks, tokenizer, args, context_length)
-        self.sft_samples, self.verifier, self.reward_model = SFT_SAMPLES, verifier, reward_model
-        self.review_weight = review_weight
-        self.judge = SentimentJudge() if reward_model is not None else None
-
-    @property
-    def settings(self) -> dict:
-        return {"problems": len(self.prompts), "families": sorted({t["family"] for t in self.prompts}),
-                "sft_samples": SFT_SAMPLES, "samples": self.args.eval_samples, "temperature": 1.0,
-                "max_new_tokens": self.args.max_new_tokens, "verifier": self.verifier, "rm_samples": RM_SAMPLES,
-                # the weight of the RM's term in the training reward (GRPO's --rm_weight), 0 if it had none
-                "rm_weight": self.review_weight}
-
-    def sample(self, samples: int):
-        return measure_tasks(self.policy, self.ref, self.prompts, self.tokenizer, samples, self.args.max_new_tokens,
-                             self.context_length, self.stage.accelerator.device, self.args.seed, self.verifier,
-                             self.reward_model, self.judge)
-
-    describe = staticmethod(describe_tasks)
-
-    @staticmethod
-    def as_row(monitors: dict) -> dict:
-        return {f"task_{k}": v for k, v in monitors.items()}
-
-    @staticmethod
-    def from_row(row: dict) -> dict:
-        return {k[len("task_"):]: v for k, v in row.items() if k.startswith("task_")}
-
-    flag = staticmethod(task_hacking_flag)
-
-    def results(self, name: str, sft: dict, after: dict) -> dict:
-        return {"tasks": {"sft": rounded(sft), name: rounded(after)}, "task_settings": self.settings}
-
-    @staticmethod
-    def write_samples(path, examples):
-        write_task_samples(path, examples[:12])
-
-    rollout_row = staticmethod(task_rollout_row)
-
-    @staticmethod
-    def summary(sft: dict, after: dict, name: str) -> str:
-        """The closing message's figures: SFT -> the aligned policy."""
-        return (f"held-out sampled pass@1 {sft['all_pass1']:.1%} (SFT) -> {after['all_pass1']:.1%} ({name}), greedy "
-                f"{sft['all_greedy']:.1%} -> {after['all_greedy']:.1%}, KL {after['kl']:.2f} nats/response")
+def add_online_arguments(p, stage: str) -> None:
+    """The flags PPO and GRPO share, defined once: where the policy and its prompts come from, the reward and the
+    held-out monitors (``add_held_out_arguments``), LoRA, and the rollout's size, the KL weight, the ratio clip and
+    the penalty of an answer that never ends."""
+    p.add_argument("--policy", default=default_path("checkpoints", "sft"), help="SFT checkpoint: policy and reference")
+    p.add_argument("--prompts_file",
+                   help='what the policy answers: .jsonl lines with a "prompt" (or alpaca / "messages" records, '
+                        'records.prompt_of) or a .txt file of one prompt per line (default: data/ppo/prompts.jsonl); '
+                        'with --verifier problems with answers (default: data/instructions/train.jsonl; the second '
+                        'family: data/sentiment/train.jsonl)')
+    add_held_out_arguments(p, stage)
+    add_lora_arguments(p)
+    p.add_argument("--rollout_size", type=positive_int, help="prompts sampled per iteration (per process)")
+    p.add_argument("--kl_coef", type=non_negative_float,
+                   help="beta, the weight of the KL to the SFT model (default: the preset's)")
+    p.add_argument("--cliprange", type=positive_float, default=0.2, help="ratio clip epsilon")
+    p.add_argument("--no_eos_penalty", type=non_negative_float, default=1.0,
+                   help="subtracted from the reward of a response that reaches --max_new_tokens without [SEP]")
 
 
 def add_held_out_arguments(p, stage: str) -> None:
@@ -494,93 +267,122 @@ def load_policy_and_reward(args, tokenizer, device):
 
 class Online:
     """What an online aligner (3-PPO.py, 3-GRPO.py) learns from, whichever the reward: the SFT policy and its frozen
-    reference, the prompts it practises on and the held-out ones that measure it, and the reward of a rollout.
+    reference, the prompts it practises on and the held-out ones that measure it, and its list of ``rewards``.
 
-    * With ``--reward`` (preferences): ``reward_model`` scores each answer (``rm_reward``); the held-out monitors
-      put its score beside the independent judge (``HeldOut``).
-    * With ``--verifier`` (verifiable tasks): a checker gives 1 or 0 (``tasks.verifier_reward``), there is no
-      reward model (``reward_model`` is None), and the held-out measure is exact accuracy (``TaskHeldOut``);
-      where problems ask for a review and ``--reward`` holds a checkpoint, that RM (``review_model``) scores the
-      answers: those to the held-out 好评 problems beside the judge, and with GRPO's ``--rm_weight`` those to the
-      training 好评 and 差评 problems too, a second term of the reward (``review_scores``, negated on a 差评) so
-      that a constraint is not kept by writing worse reviews.
+    * With ``--reward`` (preferences): the reward model scores each answer (``rm_reward``); the held-out monitors
+      put its score beside the independent judge.
+    * With ``--verifier`` (verifiable tasks): a checker gives 1 or 0 (``verifier_reward``), ``reward_model`` is
+      None, and the held-out measure is exact accuracy; where problems ask for a review and ``--reward`` holds a
+      checkpoint, that RM (``review_model``) reads the answers: those to the held-out 好评 problems beside the
+      judge, and given ``rm_weight`` > 0 (GRPO's ``--rm_weight``) those to the training 好评 and 差评 problems too,
+      as a second reward (``review_reward``) so that a constraint is not kept by writing worse reviews.
 
     Attributes: policy, ref, parent (the parent metadata the checkpoint records, with the reward's), prompts,
-    held_out_prompts, reward_model, review_model, review_weight (the weight the RM has in the reward: 0 where it has
-    none, whatever ``--rm_weight`` says), context_length, reward (``reward(prompts, responses)``, see
-    ``rollouts.rollout``).
+    held_out_prompts, reward_model, review_model, judge, context_length, rewards (the ``Reward`` list) and weights
+    ((K,) their weights).
     Raises ``UserError`` (in the constructor) as ``load_policy_and_ref``, ``load_reward_model`` and ``read_prompts``,
-    or when ``--rm_weight`` asks for an RM that ``--reward`` does not hold.
+    or when ``rm_weight`` asks for an RM that ``--reward`` does not hold.
     """
 
-    def __init__(self, args, tokenizer, device):
+    def __init__(self, args, tokenizer, device, rm_weight: float = 0.0):
         self.args, self.tokenizer, self.device = args, tokenizer, device
         self.prompts, self.held_out_prompts = read_prompts(args)
         self.policy, parent, self.ref = load_policy_and_ref(args, tokenizer, device)
-        self.review_model, self.review_weight = None, 0.0
+        self.reward_model = self.review_model = self.judge = None
         if args.verifier:
-            self.reward_model, self.context_length = None, self.policy.cfg.context_length
-            self.reward = verifier_reward(args.verifier, tokenizer)
+            self.context_length = self.policy.cfg.context_length
+            self.rewards = [Reward("verifier", 1.0, verifier_reward(args.verifier, tokenizer))]
             self.parent = {**parent, "verifier": args.verifier}
             check_room(args, self.context_length, "the policy's")
-            rm_weight = getattr(args, "rm_weight", 0.0)  # GRPO's flag; PPO's reward is the verifier's alone
-            has_rm = os.path.isfile(os.path.join(args.reward, "config.json"))
-            reviews = rm_weight and any(review_polarity(t) for t in self.prompts)  # the RM in the reward
-            if reviews and not has_rm:
-                raise UserError(f"--rm_weight {rm_weight} (given, or the preset's) adds the reward model's score of "
-                                f"the 好评/差评 answers to the reward, but --reward {args.reward} holds no checkpoint; "
-                                f"train 2-RM.py first, point --reward at one, or give --rm_weight 0 for the verifier "
-                                f"alone")
-            if reviews or any(asks_for_praise(t) for t in self.held_out_prompts):
-                if has_rm:
-                    self.review_model = load_reward_model(args, self.policy.cfg.vocab_size, device)
-                    if reviews:  # the RM is then part of the reward: the checkpoint records which one
-                        self.parent.update(parent_meta(args.reward, "reward"))
-                        self.review_weight = float(rm_weight)
-                else:
-                    print(f"note: no reward model in --reward {args.reward}: the held-out answers are measured by "
-                          f"the verifier alone, without the RM score and the judge beside it", flush=True)
+            self._load_review_model(args, rm_weight, device)
         else:
             self.reward_model = load_reward_model(args, self.policy.cfg.vocab_size, device)
             self.context_length = min(self.policy.cfg.context_length, self.reward_model.cfg.context_length)
-            self.reward = rm_reward(self.reward_model)
+            self.rewards = [Reward("rm", 1.0, rm_reward(self.reward_model))]
             self.parent = {**parent, **parent_meta(args.reward, "reward")}
+            self.judge = SentimentJudge()
             check_room(args, self.context_length, "the shorter of policy and reward model")
+        self.weights = torch.tensor([r.weight for r in self.rewards], device=device)  # (K,)
         note_if_not_chat(args)
 
-    def rollout(self, policy, prompts, critic=None) -> dict:
-        """``policy``'s answers to ``prompts`` and their measurements (``rollouts.rollout``): sampled, then the
-        log-probs of the policy and of the reference, the reward, and the values of ``critic`` when given one."""
-        return rollout(policy, prompts, ref=self.ref, reward=self.reward, tokenizer=self.tokenizer, args=self.args,
-                       context_length=self.context_length, device=self.device, critic=critic)
+    def _load_review_model(self, args, rm_weight: float, device) -> None:
+        """The RM of the verifiable path: it reads the held-out 好评 answers, and is a reward at ``rm_weight``."""
+        has_rm = os.path.isfile(os.path.join(args.reward, "config.json"))
+        reviews = rm_weight and any(review_polarity(t) for t in self.prompts)  # the RM in the reward
+        if reviews and not has_rm:
+            raise UserError(f"--rm_weight {rm_weight} (given, or the preset's) adds the reward model's score of "
+                            f"the 好评/差评 answers to the reward, but --reward {args.reward} holds no checkpoint; "
+                            f"train 2-RM.py first, point --reward at one, or give --rm_weight 0 for the verifier "
+                            f"alone")
+        if not (reviews or any(asks_for_praise(t) for t in self.held_out_prompts)):
+            return
+        if not has_rm:
+            print(f"note: no reward model in --reward {args.reward}: the held-out answers are measured by the "
+                  f"verifier alone, without the RM score and the judge beside it", flush=True)
+            return
+        self.review_model = load_reward_model(args, self.policy.cfg.vocab_size, device)
+        self.judge = SentimentJudge()
+        if reviews:  # the RM is then part of the reward: the checkpoint records which one
+            self.parent.update(parent_meta(args.reward, "reward"))
+            self.rewards.append(Reward("rm_review", float(rm_weight), review_reward(self.review_model)))
 
-    def review_scores(self, prompts, responses):
-        """How good a review each answer of a rollout is, by the review model, and the polarity of its problem: ((B,)
-        float32, 0.0 where not a review; (B,) float32, +1 for a 好评, -1 for a 差评, 0 for no review; the RM's own
-        score is their product). ``responses``: a rollout's dict, as every reward takes it.
+    def rollout(self, policy, prompts, samples: int = 1, critic=None) -> dict:
+        """``policy``'s ``samples`` answers to each of ``prompts`` and their log-probs under the policy and the
+        reference (``rollouts.rollout``), with the values of ``critic`` when given one; no reward."""
+        return rollout(policy, prompts, ref=self.ref, tokenizer=self.tokenizer, args=self.args,
+                       context_length=self.context_length, device=self.device, samples=samples, critic=critic)
 
-        The RM scores how positive a review is (its pairs put a positive review above a negative one): on a 好评
-        problem that score is the answer's quality, on a 差评 its negative is (``tasks.review_polarity``); counting
-        the 好评 alone, GRPO also made the 差评 answers more positive (bench/README.md). One pass scores every row.
-        Raises ``AttributeError`` without a ``review_model``."""
-        device = responses["input_ids"].device
-        polarity = torch.tensor([review_polarity(p) for p in prompts], dtype=torch.float32, device=device)  # (B,)
-        return polarity * rm_reward(self.review_model)(prompts, responses), polarity
+    @torch.no_grad()
+    def score(self, data):
+        """Every reward of the list on a rollout's answers: (B, K) float32, column k ``rewards[k]``, NaN where it
+        does not apply. Raises ``UserError`` where a reward is not finite and should be (``check_rewards``)."""
+        rewards = torch.stack([r.fn(data["prompts"], data) for r in self.rewards], dim=1)  # (B, K)
+        check_rewards(rewards, data["prompts"], [r.name for r in self.rewards])
+        return rewards
 
-    def held_out(self, stage, policy):
-        """The held-out measurement of this reward's path for ``stage``'s (unwrapped) ``policy``."""
+    def rollout_row(self, data, rewards) -> dict:
+        """What a training rollout's metrics row says: the mean of the first reward (before any penalty), KL to
+        the reference, entropy, length, the shares that ended and that are empty, repetition, and where they
+        are known, the judge and the RM's own score of the 好评 and of the 差评 answers."""
+        ids = response_token_lists(data)
+        kl = kl_per_response(data["logprobs"], data["ref_logprobs"], data["response_mask"])  # (B,)
+        texts = [decode(r, self.tokenizer) for r in ids]
+        judged = self.judge(texts) if self.reward_model is not None else [0.0] * len(ids)
+        monitors = summarize(ids, data["ended"].tolist(), rewards[:, 0].tolist(), judged)
+        row = {"score": monitors["rm_score"], "kl": kl.mean().item(),
+               "entropy": ((data["entropy"] * data["response_mask"]).sum()
+                           / data["response_mask"].sum().clamp(min=1)).item(),
+               **{k: monitors[k] for k in ("length", "eos_share", "distinct_2", "longest_run")},
+               "empty_share": sum(not r for r in ids) / len(ids)}
+        if self.reward_model is not None:
+            row["judge"] = monitors["judge"]
+        if len(self.rewards) > 1:  # the RM's own score of the reviews (review_reward), by the side asked for
+            polarity = torch.tensor([review_polarity(p) for p in data["prompts"]], device=rewards.device)  # (B,)
+            row.update({f"rm_score_{side}": (rewards[:, 1] * polarity)[polarity == sign].mean().item()
+                        for side, sign in (("praise", 1), ("complaint", -1)) if (polarity == sign).any()})
+        return row
+
+    def held_out(self, stage, policy) -> HeldOut:
+        """The held-out measurement of this reward's path for ``stage``'s (unwrapped) ``policy``: exact accuracy
+        of ``tasks.SFT_SAMPLES`` (SFT) and ``--eval_samples`` answers per problem with ``--verifier``, else the RM
+        score beside the judge."""
         if self.args.verifier:
-            return TaskHeldOut(stage, policy, self.ref, self.held_out_prompts, self.tokenizer, self.args,
-                               self.context_length, self.args.verifier, self.review_model, self.review_weight)
-        return HeldOut(stage, policy, self.ref, self.reward_model, self.held_out_prompts, self.tokenizer, self.args,
-                       self.context_length)
+            return HeldOut(stage, policy, self.ref, self.held_out_prompts, self.tokenizer, self.args,
+                           self.context_length, TASKS, reward_model=self.review_model, judge=self.judge,
+                           verifier=self.args.verifier, sft_samples=SFT_SAMPLES,
+                           settings={"families": sorted({t["family"] for t in self.held_out_prompts}),
+                                     "rm_weight": sum(r.weight for r in self.rewards[1:])})
+        return HeldOut(stage, policy, self.ref, self.held_out_prompts, self.tokenizer, self.args,
+                       self.context_length, PREFERENCES, reward_model=self.reward_model, judge=self.judge)
 
 
 def online_defaults(args, defaults: dict, task_defaults: dict, output_dirs: dict):
     """Fill an online aligner's unset flags: the preset's values of its path (``defaults``, or ``task_defaults``
-    with ``--verifier``), the prompt files of that path (``PROMPT_FILES``) and its output folder (``output_dirs``,
-    by path: False for preferences, True for the verifier)."""
+    with ``--verifier``; a preset a table lacks takes the values of the preset of its size, ``cli.SAME_SIZE``),
+    the prompt files of that path (``PROMPT_FILES``) and its output folder (``output_dirs``, by path: False for
+    preferences, True for the verifier)."""
     path = bool(args.verifier)
-    fill_defaults(args, {**(task_defaults if path else defaults)[args.preset], **PROMPT_FILES[path],
+    table = task_defaults if path else defaults
+    fill_defaults(args, {**table.get(args.preset, table.get(SAME_SIZE.get(args.preset), {})), **PROMPT_FILES[path],
                          "output_dir": output_dirs[path]})
     return args

@@ -127,6 +127,11 @@ def probability(text: str) -> float:
     return value
 
 
+# A preset whose model is the size of another's trains with that preset's values in a stage that gives it none of its
+# own: uer/gpt2-chinese-cluecorpussmall's weights are gpt2-zh-small's shape (12 x 768).
+SAME_SIZE = {"uer-gpt2-chinese": "gpt2-zh-small"}
+
+
 def stage_parser(description: str, output_dir: str, defaults: dict, steps: str = "optimizer steps",
                  examples: str = "validation pairs", new_model: bool = False) -> ArgumentParser:
     """An ``ArgumentParser`` with the flags every training stage shares; ``--help`` ends with the stage's
@@ -140,7 +145,8 @@ def stage_parser(description: str, output_dir: str, defaults: dict, steps: str =
     sizes = "; ".join(f"{name}: {c.n_layers} layers x {c.emb_dim}, {c.context_length} positions"
                       for name, c in PRESETS.items())
     epilog = "defaults per --preset (any flag overrides):\n" + "\n".join(
-        f"  {name}: " + ", ".join(f"--{k} {v}" for k, v in values.items()) for name, values in defaults.items())
+        [f"  {name}: " + ", ".join(f"--{k} {v}" for k, v in values.items()) for name, values in defaults.items()]
+        + [f"  {name}: as {like}" for name, like in SAME_SIZE.items() if name not in defaults])
     p = ArgumentParser(description=description, epilog=epilog)
     size = (f"; a new model also takes the preset's size ({sizes}), a model loaded from a checkpoint keeps its own"
             if new_model else "; the model keeps the size of the checkpoint it starts from")

@@ -137,7 +137,7 @@ def held_out_section(metrics: dict, best_of_n: dict | None = None, times: dict |
     return lines + [""]
 
 
-# Per family of the verifiable path (tasks.measure_tasks keys the figures by family): the card's heading, an example
+# Per family of the verifiable path (tasks.task_monitors keys the figures by family): the card's heading, an example
 # problem, its held-out split and what keeps it apart from training, what the strict checker wants, what a gain
 # means, and the pass rate of a blind guess where there is one
 SKILL_FAMILIES = {
@@ -160,7 +160,7 @@ SKILL_FAMILIES = {
 def skill_section(metrics: dict, times: dict | None = None) -> list[str]:
     """Markdown lines: "A skill checked exactly", the verifiable path on held-out problems, one part per family of
     ``SKILL_FAMILIES`` that a stage of ``TASK_ALIGNED`` measured (``family_part``). Nothing if no such stage ran."""
-    measured = {stage: metrics[stage] for stage in TASK_ALIGNED if metrics.get(stage, {}).get("tasks")}
+    measured = {stage: metrics[stage] for stage in TASK_ALIGNED if metrics.get(stage, {}).get("held_out")}
     if not measured:
         return []
     lines = ["## A skill checked exactly", "",
@@ -172,7 +172,7 @@ def skill_section(metrics: dict, times: dict | None = None) -> list[str]:
              "when there is one, and its KL is the bound log k - (k - 1)/k at most. KL, mean length (tokens) and "
              "[SEP] share are the family's own; the wall time is the whole stage's.", ""]
     for family in SKILL_FAMILIES:
-        stages = {stage: m for stage, m in measured.items() if f"{family}_pass1" in m["tasks"]["sft"]}
+        stages = {stage: m for stage, m in measured.items() if f"{family}_pass1" in m["held_out"]["sft"]}
         if stages:
             lines += family_part(family, stages, times or {})
     return lines
@@ -182,12 +182,12 @@ def family_part(family: str, stages: dict, times: dict) -> list[str]:
     """Markdown lines for one family: its heading, what its problems are and how they were sampled, then a table
     with the rows SFT, best-of-4 and best-of-16 by the verifier (pass@4 and pass@16 of the SFT model's samples per
     problem, as the first of ``stages`` measured them), then each of ``stages`` ({stage: its final metrics}, each
-    ``metrics["tasks"]`` from ``tasks.measure_tasks``) with greedy and sampled accuracy, KL, length, the [SEP] share,
+    ``metrics["held_out"]`` from ``tasks.task_monitors``) with greedy and sampled accuracy, KL, length, the [SEP] share,
     and for the instructions the RM score and judge of the answers to the problems that ask for a 好评; under the
     table one sentence per aligner on what its gain means (or that the pipeline did not run it on this family)."""
     about, f = SKILL_FAMILIES[family], family + "_"  # f: the prefix of the family's figures
     first = next(iter(stages.values()))
-    settings, sft = first["task_settings"], first["tasks"]["sft"]
+    settings, sft = first["held_out_settings"], first["held_out"]["sft"]
 
     def pct(m, key):
         return f"{m[key]:.1%} ± {m[key + '_se']:.1%}" if key in m else "—"
@@ -204,13 +204,13 @@ def family_part(family: str, stages: dict, times: dict) -> list[str]:
     sentences, aligned = [], {}  # aligned: {name: its task monitors}, for the length table
     for stage, metrics in stages.items():
         name = stage.split("-")[0]
-        m = aligned[name] = metrics["tasks"][name]
+        m = aligned[name] = metrics["held_out"][name]
         rows.append((f"{name.upper()} (verifier)", pct(m, f + "greedy"), pct(m, f + "pass1"),
                      f"{m[f + 'kl']:.2f} ± {m[f + 'kl_se']:.2f}", f"{m[f + 'length']:.1f}",
                      f"{m[f + 'eos_share']:.0%}", *judged(m), f"{times[stage]:.0f} s" if stage in times else "—"))
         sentences.append(gain_sentence(name, sft, m, f, dict(about, learnt=what_was_learnt(family, sft, m, about)),
                                        metrics.get("reward_hacking")))
-        weight = metrics["task_settings"].get("rm_weight", 0.0)
+        weight = metrics["held_out_settings"].get("rm_weight", 0.0)
         if family == "instruction" and weight and "rm_score" in m:
             sentences.append(f"  Its reward counted the RM's score of the reviews too (negated on a 差评, its "
                              f"advantage added at weight {weight:g} to the verifier's: `--rm_weight`), so its RM score "
@@ -226,7 +226,8 @@ def family_part(family: str, stages: dict, times: dict) -> list[str]:
     return [f"### {about['heading']}", "",
             f"{count}held-out problems such as {about['example']}: {about['held_out']}. Right: {about['right']}."
             + (f" A blind guess scores {about['guess']:.0%}." if about["guess"] is not None else "")
-            + f" Sampled: {settings['samples']} answers per problem ({settings['sft_samples']} for SFT) at "
+            + f" Sampled: {settings['samples_per_prompt']} answers per problem "
+              f"({settings['sft_samples_per_prompt']} for SFT) at "
               f"temperature {settings['temperature']:g}, up to {settings['max_new_tokens']} tokens." + judge_note, "",
             markdown_table(("model", "greedy", "sampled pass@1", "KL", "mean length", "ends with [SEP]", "RM score",
                             "judge", "wall time"), rows).rstrip("\n"), ""] + sentences + [""] \
@@ -276,11 +277,13 @@ def what_was_learnt(family: str, sft: dict, m: dict, about: dict) -> str:
 
 
 def judged_answers(settings: dict) -> str:
-    """How many of each 好评 problem's sampled answers the RM and the judge scored (``tasks.RM_SAMPLES`` at most, and no
-    more than were drawn): "4", or "4 (2 for the aligned models)" when the aligned models drew fewer than the SFT."""
+    """How many of each 好评 problem's sampled answers the RM and the judge scored (``held_out.READ_SAMPLES`` at
+    most, and no more than were drawn): "4", or "4 (2 for the aligned models)" when the aligned models drew fewer
+    than the SFT."""
     if "rm_samples" not in settings:
         return "?"
-    sft, aligned = (min(settings["rm_samples"], settings[k]) for k in ("sft_samples", "samples"))
+    sft, aligned = (min(settings["rm_samples"], settings[k])
+                    for k in ("sft_samples_per_prompt", "samples_per_prompt"))
     return f"{sft}" if sft == aligned else f"{sft} ({aligned} for the aligned models)"
 
 
@@ -316,7 +319,7 @@ def aligned_summary(stage: str, metrics: dict, fmt, first_row: dict | None = Non
 def task_summary(stage: str, metrics: dict) -> str:
     """The stage table's cell for a stage of the verifiable path: held-out sampled pass@1 per family (and over all
     when it trained on more than one), SFT -> the stage, greedy over all, and KL."""
-    tasks, name = metrics.get("tasks", {}), stage.split("-")[0]
+    tasks, name = metrics.get("held_out", {}), stage.split("-")[0]
     sft, aligned = tasks.get("sft", {}), tasks.get(name, {})
 
     def change(key):  # SFT's figure -> the stage's
@@ -366,7 +369,7 @@ def stage_table(preset: str, launch: str, times: dict, records: dict, baselines:
             *[(f"3-{stage.upper()}", f"{times[stage]:.0f} s", "—", "—",
                aligned_summary(stage, m[stage], fmt, (records[stage]["rows"] or [{}])[0])) for stage in ALIGNED],
             *[(f"3-{stage.split('-')[0].upper()} --verifier exact "
-               f"({', '.join(m[stage].get('task_settings', {}).get('families', []))})", f"{times[stage]:.0f} s",
+               f"({', '.join(m[stage].get('held_out_settings', {}).get('families', []))})", f"{times[stage]:.0f} s",
                "—", "—", task_summary(stage, m[stage])) for stage in TASK_ALIGNED if stage in m],
             ("generation", f"{times['generate']:.0f} s", "—", "—",
              f"{len(ANSWERING)} models × {len(REPORT_PROMPTS)} prompts"),

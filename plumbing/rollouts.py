@@ -5,12 +5,12 @@ measurement of answers (the held-out monitors, the verifiable tasks) does with t
   ``response_logits`` (the head on the response positions only), ``response_logprobs`` (a rollout's, measured in
   groups of rows cut to their length), ``masked_mean``, ``entropy_from_logits``, ``kl_per_response``;
 * sampling: ``sample_responses`` (batched, left-padded prompts through the chat template and the KV-cached
-  ``generate``), ``response_mask_after``, ``response_token_lists``, ``rollout`` (the samples with everything an
-  update needs about them, scored by a reward model or a verifier), ``penalise_unfinished`` (answers cut off
-  without ``[SEP]``).
+  ``generate``, k answers to each prompt from one reading of it), ``response_mask_after``,
+  ``response_token_lists``, ``rollout`` (the samples and their log-probabilities: everything an update needs
+  about them but their reward), ``penalise_unfinished`` (answers cut off without ``[SEP]``).
 
-What a reward is, and what the monitors make of the answers, is in ``alignment.py`` (preferences) and ``tasks.py``
-(verifiable tasks).
+Scoring is the next step of each loop, not part of the rollout: the rewards are in ``alignment.py`` (the reward
+model's, and the list an aligner sums) and ``tasks.py`` (the verifiers').
 """
 
 from __future__ import annotations
@@ -87,20 +87,24 @@ def prompt_text(prompt):
 
 
 @torch.no_grad()
-def sample_responses(policy, prompts, tokenizer, args, context_length, device):
-    """Sample one response per prompt from ``policy`` (batched, left-padded prompts, KV cache).
+def sample_responses(policy, prompts, tokenizer, args, context_length, device, samples: int = 1):
+    """Sample ``samples`` responses to each prompt from ``policy`` (batched, left-padded prompts, KV cache): the
+    one way every stage draws k answers to a prompt, rows b*k .. b*k+k-1 answering prompt b, from one reading of
+    the prompt (``gpt_fast.generate``'s ``num_samples``; the same draws as the prompt written k times).
 
-    Returns (sequences (B, P+R), attention_mask (B, P+R), response_mask (B, R), P): the mask covers each
-    response up to and including its first [SEP]; what ``generate`` filled in after it is padding.
+    Returns (sequences (B, P+R), attention_mask (B, P+R), response_mask (B, R), P) with B = len(prompts) *
+    samples: the mask covers each response up to and including its first [SEP]; what ``generate`` filled in after
+    it is padding.
     """
     room = context_length - args.max_new_tokens  # the prompt keeps its last tokens so the whole sequence fits
     batch = pad_left([chat_prompt_ids(prompt_text(p), tokenizer, room) for p in prompts])
     query, query_mask = batch["input_ids"].to(device), batch["attention_mask"].to(device)  # (B, P)
     # temperature 1: the samples come from the policy itself, whose log-probs the updates and the KL use
-    sequences = generate(policy, query, args.max_new_tokens, context_length, temperature=1.0,
-                         eos_id=EOS_ID, attention_mask=query_mask)  # (B, P + R)
+    sequences = generate(policy, query, args.max_new_tokens, context_length, temperature=1.0, eos_id=EOS_ID,
+                         attention_mask=query_mask, num_samples=samples)  # (B, P + R)
     P = query.shape[1]
     response_mask = response_mask_after(sequences[:, P:], EOS_ID)  # (B, R)
+    query_mask = query_mask.repeat_interleave(samples, dim=0)
     return sequences, torch.cat([query_mask, response_mask], dim=1), response_mask, P
 
 
@@ -153,29 +157,34 @@ def response_logprobs(model, sequences, attention_mask, response_mask, prompt_le
     return (logprobs, torch.where(real, entropies, 0.0)) if entropy else logprobs
 
 
-@torch.no_grad()
-def rollout(policy, prompts, *, ref, reward, tokenizer, args, context_length, device, critic=None):
-    """Sample responses and compute everything PPO and GRPO need about them: the answers to ``prompts`` sampled
-    with the KV cache (``sample_responses``), then four measurements of them: one forward pass of ``policy``
-    (the log-probs of the sampled tokens and the entropy), one of the frozen ``ref`` (its log-probs, for the KL),
-    ``reward(prompts, responses)``, each response's reward (B,): a reward model's (``alignment.rm_reward``, one
-    more forward pass) or a verifier's (``tasks.verifier_reward``), and, given a ``critic``, its values.
+def each(prompts, samples: int) -> list:
+    """The prompt of every row when each of ``prompts`` is answered ``samples`` times (``sample_responses``):
+    each prompt ``samples`` times, side by side."""
+    return [p for p in prompts for _ in range(samples)]
 
-    Returns a dict: input_ids, attention_mask (B, P+R); response_mask, logprobs, ref_logprobs, entropy, values
-    (B, R; no values when ``critic`` is None); scores (B,); ended (B,) bool, whether the response ended with
-    [SEP]; prompt_len P.
+
+@torch.no_grad()
+def rollout(policy, prompts, *, ref, tokenizer, args, context_length, device, samples: int = 1, critic=None):
+    """Sample responses and measure what PPO and GRPO need about them, except their reward: ``samples`` answers
+    to each of ``prompts`` drawn with the KV cache (``sample_responses``), then one forward pass of ``policy``
+    (the log-probs of the sampled tokens and the entropy), one of the frozen ``ref`` (its log-probs, for the KL),
+    and, given a ``critic``, its values. Scoring the answers is the loop's next step (``alignment.Online.score``).
+
+    Returns a dict: prompts (B, the prompt of each row, ``each``); input_ids, attention_mask (B, P+R);
+    response_mask, logprobs, ref_logprobs, entropy, values (B, R; no values when ``critic`` is None); ended (B,)
+    bool, whether the response ended with [SEP]; prompt_len P.
     """
     sequences, attention_mask, response_mask, P = sample_responses(policy, prompts, tokenizer, args,
-                                                                   context_length, device)
+                                                                   context_length, device, samples)
     logprobs, entropy = response_logprobs(policy, sequences, attention_mask, response_mask, P, entropy=True)
     data = {
+        "prompts": each(prompts, samples),
         "input_ids": sequences, "attention_mask": attention_mask, "response_mask": response_mask.float(),
         "logprobs": logprobs, "entropy": entropy,  # (B, R) each
         "ref_logprobs": response_logprobs(ref, sequences, attention_mask, response_mask, P),  # (B, R)
         "ended": (sequences[:, P:] == EOS_ID).any(dim=1),  # (B,)
         "prompt_len": P,
     }
-    data["scores"] = reward(prompts, data)  # (B,): the responses are this dict, ids, masks and ended
     if critic is not None:
         data["values"] = critic(sequences, attention_mask)["values"][:, P - 1:-1].float()  # (B, R)
     return data

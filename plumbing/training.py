@@ -30,7 +30,6 @@ from plumbing.checkpoint import command_line, load_weights_into, save_checkpoint
 from plumbing.cli import UserError
 from plumbing.devices import pick_mixed_precision
 from plumbing.flops import device_name, format_utilisation, peak_flops, utilisation
-from plumbing.optimizers import lr_at, set_lr
 
 
 def make_accelerator(args):
@@ -314,9 +313,9 @@ class StageRun:
     evaluation inline in its own loop. ``StageRun`` owns:
 
     * resume: with ``--resume``, the constructor loads the saved weights, optimizer, RNG, counters and metrics;
-    * ``steps()``: the loop over optimizer steps with the progress bar and the learning-rate schedule
-      (``lr_at``); after each step it saves a resumable checkpoint on Ctrl-C/SIGTERM (then ends the loop) or
-      every ``--save_every`` steps;
+    * ``steps()``: the loop over optimizer steps with the progress bar (the loop sets each step's learning rate
+      itself, in view: ``optimizers.lr_at`` and ``set_lr``); after each step it saves a resumable checkpoint on
+      Ctrl-C/SIGTERM (then ends the loop) or every ``--save_every`` steps;
     * ``accumulate()``: the context of one micro-batch, ``accelerator.accumulate`` and autocast; the stage calls
       ``accelerator.backward(loss)`` in it, and after its micro-batches ``clip_gradients()``, which clips the norm
       and says whether the step may be applied, then ``optimizer.step()`` and ``optimizer.zero_grad()``;
@@ -359,7 +358,6 @@ class StageRun:
         self.results = {}  # final metrics for config.json beside the latest val_* values
         self.files = {}  # {file name: fn(path)}: the stage's own files (e.g. samples.md), written at each save
         self.exit_code = None  # set when Ctrl-C/SIGTERM ended the loop
-        self.lr = None  # the learning rate of the current step, set by steps()
         self.bad_gradient = None  # the non-finite gradient norm of a step that clip_gradients() held back
         # tokens are counted over all processes, so the peak they are measured against is that of all their devices
         peak = peak_flops(accelerator.device)
@@ -402,9 +400,6 @@ class StageRun:
                          disable=not self.accelerator.is_main_process)
         with StopSignal() as stop:
             while self.step < last:
-                # linear warm-up then cosine decay, set before the step (the schedule is every stage's)
-                self.lr = lr_at(self.step, args.learning_rate, args.warmup_steps, args.max_steps)
-                set_lr(self.optimizer, self.lr)
                 yield self.step
                 if stop.requested(self.accelerator):
                     self.save(final=False)
@@ -468,7 +463,7 @@ class StageRun:
         """Add a metrics row for the current step (``step``, ``lr``, ``tokens_seen`` and ``time_s`` are filled in, and
         ``flop_s`` / ``mfu`` over the time since the last row when the stage gave ``flops_per_token``) and show the
         keys ``show``, the tokens per second and the FLOP/s (MFU) since the last row on the bar."""
-        lr = {"lr": self.lr} if self.lr is not None and self.step > 0 else {}
+        lr = {"lr": self.learning_rate()} if self.step > 0 else {}
         now = time.perf_counter()
         rate = (self.tokens_seen - self._tokens_at) / max(now - self._time_at, 1e-9)
         speed = utilisation(self.flops_per_token, rate, self.peak_flops) if self.flops_per_token and rate else {}
@@ -480,6 +475,13 @@ class StageRun:
             self._bar.set_postfix(**postfix, **({"tok_s": f"{rate:.0f}"} if rate else {}),
                                   **({"flop_s": format_utilisation(speed)} if speed else {}))
         return row
+
+    def learning_rate(self) -> float:
+        """The learning rate the loop set for this step (``optimizers.set_lr``): that of a parameter group without a
+        scale of its own, else the first group's over its scale."""
+        groups = self.optimizer.param_groups
+        group = next((g for g in groups if g.get("lr_scale", 1.0) == 1.0), groups[0])
+        return group["lr"] / group.get("lr_scale", 1.0)
 
     def print(self, message: str) -> None:
         """Print on the main process only, above the progress bar."""

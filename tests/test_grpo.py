@@ -113,29 +113,44 @@ def test_equal_rewards_give_exactly_zero_advantages_and_are_counted():
     assert GRPO.group_advantages(verifier, 4)[1].tolist() == [True, True, False]
 
 
-def test_review_advantages_by_hand_scale_by_the_batch_not_the_group():
-    """Three groups of two: two ask for a 好评 (scored), one does not. Each scored answer's RM score minus its group's
-    mean, over the unbiased spread of those differences across the scored rows: the group whose answers differ by
-    0.1 gets small advantages (its own spread would make them +-0.71, as large as the verifier's); the unscored group
-    gets none whatever its scores."""
-    scores = torch.tensor([1.0, 3.0, 0.1, 0.2, 5.0, 9.0])
-    scored = torch.tensor([True, True, True, True, False, False])
+def test_term_advantages_by_hand_scale_by_the_batch_not_the_group():
+    """Three groups of two: two ask for a 好评 (scored), one does not (NaN). Each scored answer's RM score minus its
+    group's mean, over the unbiased spread of those differences across the scored rows: the group whose answers
+    differ by 0.1 gets small advantages (its own spread would make them +-0.71, as large as the verifier's); the
+    unscored group gets none."""
+    nan = float("nan")
+    scores = torch.tensor([1.0, 3.0, 0.1, 0.2, nan, nan])
     spread = math.sqrt((1 + 1 + 0.05 ** 2 + 0.05 ** 2) / 3)
-    adv = GRPO.review_advantages(scores, scored, 2)
+    adv = GRPO.term_advantages(scores, 2)
     assert adv.tolist() == pytest.approx([-1 / spread, 1 / spread, -0.05 / spread, 0.05 / spread, 0, 0], abs=1e-6)
-    assert abs(adv[3].item()) < 0.1 < GRPO.group_advantages(scores, 2)[0][3].item()
+    assert abs(adv[3].item()) < 0.1 < GRPO.group_advantages(scores[:4], 2)[0][3].item()
     # nothing to rank: one scored row, or scored rows all alike within their groups
-    assert GRPO.review_advantages(scores, torch.tensor([True] + [False] * 5), 1).tolist() == [0.0] * 6
-    assert GRPO.review_advantages(torch.tensor([2.0, 2.0, 7.0, 7.0]), torch.ones(4, dtype=torch.bool), 2).tolist() \
-        == [0.0] * 4
+    assert GRPO.term_advantages(torch.tensor([1.0] + [nan] * 5), 1).tolist() == [0.0] * 6
+    assert GRPO.term_advantages(torch.tensor([2.0, 2.0, 7.0, 7.0]), 2).tolist() == [0.0] * 4
 
 
-def test_review_scores_count_the_rm_for_a_praise_and_against_it_for_a_complaint():
-    """The RM scores how positive a review is: on a 好评 problem its score is the answer's quality, on a 差评 its
-    negative; another family's answer is no review (0, not counted). A stand-in RM returns each row's first id."""
+def test_grpo_advantages_add_each_further_reward_at_its_weight():
+    """The first reward (less the penalty of an answer that never ended) relative to its group, plus the second's
+    term_advantages times its weight: two groups of two, by hand."""
     import types
 
-    from plumbing.alignment import Online
+    nan = float("nan")
+    rewards = torch.tensor([[1.0, 1.0], [0.0, 3.0], [1.0, nan], [1.0, nan]])  # (B, K): verifier, RM on reviews
+    ended = torch.tensor([True, True, True, False])
+    args = types.SimpleNamespace(no_eos_penalty=1.0, group_size=2)
+    adv, flat = GRPO.grpo_advantages(rewards, torch.tensor([1.0, 0.5]), ended, args)
+    # group 1: verifier 1, 0: (x - 0.5) / 0.7071 = +-0.7071; RM 1, 3, the only scored group: its differences -1, +1
+    # over their spread sqrt(2) = -+0.7071, times 0.5. Group 2: verifier 1 and 1 - 1 (never ended) = 0: +-0.7071
+    s = 1 / math.sqrt(2)
+    assert adv.tolist() == pytest.approx([s - 0.5 * s, -s + 0.5 * s, s, -s], abs=1e-6)
+    assert flat.tolist() == [False, False]
+
+
+def test_the_review_reward_counts_the_rm_for_a_praise_and_against_it_for_a_complaint():
+    """The RM scores how positive a review is: on a 好评 problem its score is the answer's quality, on a 差评 its
+    negative; another family's answer is no review (NaN: the reward does not apply). A stand-in RM returns each
+    row's first id."""
+    from plumbing.alignment import review_reward
 
     def stand_in_rm(input_ids, attention_mask):
         return {"rewards": input_ids[:, 0].float()}
@@ -144,8 +159,8 @@ def test_review_scores_count_the_rm_for_a_praise_and_against_it_for_a_complaint(
                {"prompt": "写一条差评，十个字以内。", "answer": "max_chars:10", "family": "instruction"},
                {"prompt": "这条评论是正面的还是负面的？“好”", "answer": "正面", "family": "sentiment"}]
     responses = {"input_ids": torch.tensor([[3, 1], [5, 1], [7, 1]]), "attention_mask": torch.ones(3, 2)}
-    scores, polarity = Online.review_scores(types.SimpleNamespace(review_model=stand_in_rm), prompts, responses)
-    assert scores.tolist() == [3.0, -5.0, 0.0] and polarity.tolist() == [1.0, -1.0, 0.0]
+    scores = review_reward(stand_in_rm)(prompts, responses)
+    assert scores[:2].tolist() == [3.0, -5.0] and math.isnan(scores[2].item())
 
 
 def test_rm_weight_needs_a_verifier_and_a_reward_model(tmp_path, tiny_policy_and_rm, capsys):
@@ -192,7 +207,7 @@ def test_rm_weight_adds_the_reward_models_term_on_praise_problems(tmp_path, tiny
     assert weighted != unweighted and "reward_sha256" in config1 and "reward_sha256" not in config0
     assert all("rm_score_praise" in r and "rm_score_complaint" in r for r in rows1)
     assert not any("rm_score_praise" in r for r in rows0)
-    assert [c["metrics"]["task_settings"]["rm_weight"] for c in (config0, config1)] == [0, 0.1]
+    assert [c["metrics"]["held_out_settings"]["rm_weight"] for c in (config0, config1)] == [0, 0.1]
 
 
 def test_a_padded_position_far_from_the_reference_leaks_no_nan():
@@ -239,22 +254,24 @@ def test_a_nan_reward_stops_the_run_before_any_update(tmp_path, tiny_policy_and_
     import plumbing.alignment as alignment
     from plumbing.cli import run
 
-    real = alignment.rollout
+    real = alignment.rm_reward
 
-    def nan_rollout(*args, **kwargs):
-        data = real(*args, **kwargs)
-        if len(data["scores"]) == 16:  # the training rollouts (4 prompts x 4), not the held-out monitors
-            data["scores"][5] = float("nan")
-        return data
+    def nan_reward(reward_model):
+        def reward(prompts, responses):
+            scores = real(reward_model)(prompts, responses)
+            if len(scores) == 16:  # the training rollouts (4 prompts x 4)
+                scores[5] = float("nan")
+            return scores
+        return reward
 
-    monkeypatch.setattr(alignment, "rollout", nan_rollout)  # what Online.rollout calls
+    monkeypatch.setattr(alignment, "rm_reward", nan_reward)  # what Online's reward list calls
     stepped = []
     monkeypatch.setattr(torch.optim.AdamW, "step", lambda self, *a, **k: stepped.append(1))
     with pytest.raises(SystemExit) as exit_:
         run(GRPO.main, grpo_args(tiny_policy_and_rm, tmp_path / "nan", prompts))
     err = capsys.readouterr().err.strip().splitlines()[-1]
     err = err[err.index("error: "):]  # after the progress bar's \r
-    assert exit_.value.code == 2 and err.startswith("error: iteration 1: the reward of the answer to prompt")
+    assert exit_.value.code == 2 and err.startswith("error: the rm reward of the answer to prompt")
     assert "nan" in err and not stepped and not (tmp_path / "nan" / "config.json").exists()
 
 

@@ -113,3 +113,36 @@ def test_the_model_and_the_tokenizer_sit_below_everything():
 
 def test_no_module_imports_another_in_a_circle():
     assert find_cycle(import_graph()) is None
+
+
+def project_names_in_loop(source: str, objects=("stage", "online", "held_out", "schedule")) -> set:
+    """The project names one iteration of ``main``'s ``for step in stage.steps():`` loop uses, in the loop's own
+    lines: each attribute of the stage's plumbing objects (``stage.log``, ``online.score``: ``objects``) and each
+    name imported from a project module (``lr_at``), the loop's ``stage.steps`` among them."""
+    tree = ast.parse(source)
+    imported = {a.asname or a.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module
+                and node.module.split(".")[0] in {"plumbing", *BELOW} for a in node.names}
+    main = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "main")
+    loop = next(n for n in ast.walk(main) if isinstance(n, ast.For) and isinstance(n.iter, ast.Call)
+                and isinstance(n.iter.func, ast.Attribute) and n.iter.func.attr == "steps")
+    names = set()
+    for node in ast.walk(loop):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in objects:
+            names.add(f"{node.value.id}.{node.attr}")
+        elif isinstance(node, ast.Name) and node.id in imported:
+            names.add(node.id)
+    return names
+
+
+def test_project_name_counter_by_hand():
+    source = ("from plumbing.optimizers import lr_at\nfrom plumbing.x import Online\nimport torch\n"
+              "def main():\n    online = Online()\n    for step in stage.steps():\n        lr = lr_at(step)\n"
+              "        data = online.rollout(step)\n        torch.save(data)\n        stage.log(online.rollout(lr))\n")
+    assert project_names_in_loop(source) == {"stage.steps", "lr_at", "online.rollout", "stage.log"}
+
+
+def test_one_grpo_iteration_reads_as_its_steps():
+    """GRPO's loop calls at most 10 project names from outside 3-GRPO.py (it called 18 when the reward was computed
+    inside the sampler and the held-out check was a base class of hooks): sample, score, advantages, update, log."""
+    names = project_names_in_loop((REPO_ROOT / "3-GRPO.py").read_text(encoding="utf-8"))
+    assert {"online.rollout", "online.score"} <= names and len(names) <= 10, sorted(names)

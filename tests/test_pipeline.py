@@ -56,7 +56,7 @@ def test_held_out_section_with_one_stage_and_no_best_of_n():
 
 
 def task_monitors(pass1, pass1_se, greedy=0.1, kl=0.0, families=("instruction",), **more):
-    """Monitors as tasks.measure_tasks writes them, the same figures for "all" and for each of ``families``."""
+    """Monitors as tasks.task_monitors writes them, the same figures for "all" and for each of ``families``."""
     out = {}
     for scope in ("all", *families):
         out.update({f"{scope}_greedy": greedy, f"{scope}_greedy_se": 0.01, f"{scope}_pass1": pass1,
@@ -72,13 +72,13 @@ def test_skill_section_rows_and_what_each_gain_means():
     judged = {k: MONITORS[k] for k in ("rm_score", "rm_score_se", "judge", "judge_se")}
     sft = task_monitors(0.50, 0.010, greedy=0.12, instruction_pass4=0.8, instruction_pass4_se=0.01,
                         instruction_pass16=0.95, instruction_pass16_se=0.005, praise_problems=250.0, **judged)
-    settings = {"problems": 500, "samples": 8, "sft_samples": 16, "temperature": 1.0, "max_new_tokens": 64,
+    settings = {"samples_per_prompt": 8, "sft_samples_per_prompt": 16, "temperature": 1.0, "max_new_tokens": 64,
                 "rm_samples": 4}
     grpo = task_monitors(0.62, 0.012, greedy=0.8, kl=1.76, **{**judged, "rm_score": 0.4})
-    metrics = {"grpo-tasks": {"tasks": {"sft": sft, "grpo": grpo}, "task_settings": {**settings, "rm_weight": 0.1},
-                              "reward_hacking": ""},
-               "ppo-tasks": {"tasks": {"sft": sft, "ppo": task_monitors(0.51, 0.012, kl=0.2)},
-                             "task_settings": settings, "reward_hacking": ""}}
+    metrics = {"grpo-tasks": {"held_out": {"sft": sft, "grpo": grpo},
+                              "held_out_settings": {**settings, "rm_weight": 0.1}, "reward_hacking": ""},
+               "ppo-tasks": {"held_out": {"sft": sft, "ppo": task_monitors(0.51, 0.012, kl=0.2)},
+                             "held_out_settings": settings, "reward_hacking": ""}}
     lines = report.skill_section(metrics, {"grpo-tasks": 200.2})
     text = "\n".join(lines)
     rows = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith("| model")]
@@ -98,13 +98,14 @@ def test_skill_section_rows_and_what_each_gain_means():
     assert len(said) == 1 and lines[said[0] - 1].startswith("- GRPO")
     assert "500 held-out problems such as" in text and "the first 4 sampled answers of each of the 250 problems" in text
     # aligned models that drew 2 answers a problem were judged on those 2: the card says so, not "the first 4"
-    fewer = {stage: {**m, "task_settings": {**m["task_settings"], "samples": 2}} for stage, m in metrics.items()}
+    fewer = {stage: {**m, "held_out_settings": {**m["held_out_settings"], "samples_per_prompt": 2}}
+             for stage, m in metrics.items()}
     assert "the first 4 (2 for the aligned models) sampled answers" in "\n".join(report.skill_section(fewer))
     assert "| PPO (verifier) | 10.0% ± 1.0% | 51.0% ± 1.2% | 0.20 ± 0.10 | 25.0 | 95% | — | — | — |" in text
     assert "### The sentiment" not in text  # a family the measurement does not hold gets no table
     assert report.skill_section({"grpo": {"held_out": {}}}) == []  # no verifiable stage ran
-    flat = {"grpo-tasks": {"tasks": {"sft": task_monitors(0.0, 0.0), "grpo": task_monitors(0.0, 0.0)},
-                           "task_settings": settings, "reward_hacking": "worse reviews: the judge on 好评 fell"}}
+    flat = {"grpo-tasks": {"held_out": {"sft": task_monitors(0.0, 0.0), "grpo": task_monitors(0.0, 0.0)},
+                           "held_out_settings": settings, "reward_hacking": "worse reviews: the judge on 好评 fell"}}
     flat_text = "\n".join(report.skill_section(flat))  # the tiny preset: every SE 0, and its flag still shown
     assert "no spread across problems to tell a gain from chance. **worse reviews: the judge" in flat_text
 
@@ -121,12 +122,14 @@ def test_the_card_says_what_a_gain_on_the_limits_is():
     """A gain on "at most N" read from the lengths: GRPO shorter by 10 characters (20 SE of the difference
     hypot(0.5, 0.5)) with a flat rank correlation keeps limits by writing shorter; PPO, whose length rises with N
     (0.80 > 2 x 0.12), reads the limit; a gain with neither is said to be explained by neither."""
-    settings = {"problems": 500, "samples": 8, "sft_samples": 16, "temperature": 1.0, "max_new_tokens": 64}
+    settings = {"samples_per_prompt": 8, "sft_samples_per_prompt": 16, "temperature": 1.0, "max_new_tokens": 64}
     sft = task_monitors(0.50, 0.010, **lengths(43.0, 0.10, 0.20))
     grpo = task_monitors(0.65, 0.012, kl=1.5, **lengths(33.0, 0.05, 0.21, bands=(30.0, 34.0, 33.0, 32.0, 35.0)))
     ppo = task_monitors(0.60, 0.012, kl=0.5, **lengths(40.0, 0.80, 0.12, bands=(15.0, 25.0, 40.0, 47.0, 55.0)))
-    metrics = {"grpo-tasks": {"tasks": {"sft": sft, "grpo": grpo}, "task_settings": settings, "reward_hacking": ""},
-               "ppo-tasks": {"tasks": {"sft": sft, "ppo": ppo}, "task_settings": settings, "reward_hacking": ""}}
+    metrics = {"grpo-tasks": {"held_out": {"sft": sft, "grpo": grpo}, "held_out_settings": settings,
+                              "reward_hacking": ""},
+               "ppo-tasks": {"held_out": {"sft": sft, "ppo": ppo}, "held_out_settings": settings,
+                             "reward_hacking": ""}}
     text = "\n".join(report.skill_section(metrics))
     assert ("it keeps more limits by writing shorter (43.0 → 33.0 characters), not by reading the limit: its length "
             "does not follow N (rank correlation of N with the length +0.05 ± 0.21)") in text
@@ -136,10 +139,11 @@ def test_the_card_says_what_a_gain_on_the_limits_is():
     assert "| SFT | 45.0 | 42.0 | 41.0 | 44.0 | 43.0 | 43.0 ± 0.5 | +0.10 ± 0.20 |" in text
     assert "| GRPO (verifier) | 30.0 | 34.0 | 33.0 | 32.0 | 35.0 | 33.0 ± 0.5 | +0.05 ± 0.21 |" in text
     assert "learnt to keep limits it never trained on" not in text
-    same = {"grpo-tasks": {**metrics["grpo-tasks"], "tasks": {"sft": sft, "grpo": {**grpo, **lengths(42.5, 0.1, 0.2)}}}}
+    same = {"grpo-tasks": {**metrics["grpo-tasks"],
+                           "held_out": {"sft": sft, "grpo": {**grpo, **lengths(42.5, 0.1, 0.2)}}}}
     assert "its length neither follows N (rank correlation of N with the length +0.10 ± 0.20) nor fell beyond " \
            "noise (43.0 → 42.5 characters)" in "\n".join(report.skill_section(same))
-    old = {"grpo-tasks": {**metrics["grpo-tasks"], "tasks": {"sft": task_monitors(0.5, 0.01), "grpo": grpo}}}
+    old = {"grpo-tasks": {**metrics["grpo-tasks"], "held_out": {"sft": task_monitors(0.5, 0.01), "grpo": grpo}}}
     assert "rank correlation with N" not in "\n".join(report.skill_section(old))  # measured before lengths were
 
 
@@ -152,9 +156,9 @@ def test_skill_section_gives_each_family_its_own_table_and_figures():
            "sentiment_eos_share": 0.9}
     grpo = {**task_monitors(0.55, 0.012, kl=1.5, families=both, **judged), "sentiment_pass1": 0.60,
             "sentiment_kl": 0.4, "sentiment_length": 2.0, "sentiment_eos_share": 1.0}
-    settings = {"problems": 1000, "samples": 4, "sft_samples": 16, "temperature": 1.0, "max_new_tokens": 64}
-    text = "\n".join(report.skill_section({"grpo-tasks": {"tasks": {"sft": sft, "grpo": grpo},
-                                                          "task_settings": settings, "reward_hacking": ""}}))
+    settings = {"samples_per_prompt": 4, "sft_samples_per_prompt": 16, "temperature": 1.0, "max_new_tokens": 64}
+    text = "\n".join(report.skill_section({"grpo-tasks": {"held_out": {"sft": sft, "grpo": grpo},
+                                                          "held_out_settings": settings, "reward_hacking": ""}}))
     instructions, sentiment = text.split("### Review instructions")[1].split("### The sentiment")
     assert "| GRPO (verifier) | 10.0% ± 1.0% | 55.0% ± 1.2% | 1.50 ± 0.10 | 25.0 | 95% | 0.500 ± 0.100 |" \
         in instructions
@@ -164,9 +168,9 @@ def test_skill_section_gives_each_family_its_own_table_and_figures():
     assert "A blind guess scores 50%." in sentiment and "blind guess" not in instructions
     # a gain that only reaches the guess (SFT answers out of form, RL fixes the form) is said to be no more
     grpo.update(sentiment_pass1=0.52)  # 52% ± 1.2%: within 3 standard errors of 50%
-    text = "\n".join(report.skill_section({"grpo-tasks": {"tasks": {"sft": {**sft, "sentiment_pass1": 0.25},
+    text = "\n".join(report.skill_section({"grpo-tasks": {"held_out": {"sft": {**sft, "sentiment_pass1": 0.25},
                                                                     "grpo": grpo},
-                                                          "task_settings": settings, "reward_hacking": ""}}))
+                                                          "held_out_settings": settings, "reward_hacking": ""}}))
     assert "25.0% → 52.0%, **+27.0 points" in text and "no better than a blind guess (50%)" in text
 
 
@@ -175,14 +179,15 @@ def test_skill_section_takes_each_family_from_the_stages_that_trained_on_it():
     """The pipeline's layout: GRPO and PPO on the instructions, GRPO alone on the sentiment in a stage of its own.
     Each family's table has its SFT row from its own stage's measurement and one row per stage that measured it;
     the aligner that did not run on a family is said so; the stage table's cell names no "all" for one family."""
-    settings = {"problems": 500, "samples": 4, "sft_samples": 16, "temperature": 1.0, "max_new_tokens": 64}
-    instruction = {"tasks": {"sft": task_monitors(0.50, 0.010), "grpo": task_monitors(0.62, 0.012, kl=1.8)},
-                   "task_settings": {**settings, "families": ["instruction"]}, "reward_hacking": "", "kl": 1.8}
-    ppo = {"tasks": {"sft": task_monitors(0.50, 0.010), "ppo": task_monitors(0.60, 0.012, kl=1.2)},
-           "task_settings": {**settings, "families": ["instruction"]}, "reward_hacking": ""}
-    sentiment = {"tasks": {"sft": task_monitors(0.47, 0.007, greedy=0.54, families=("sentiment",)),
+    settings = {"samples_per_prompt": 4, "sft_samples_per_prompt": 16, "temperature": 1.0, "max_new_tokens": 64}
+    instruction = {"held_out": {"sft": task_monitors(0.50, 0.010), "grpo": task_monitors(0.62, 0.012, kl=1.8)},
+                   "held_out_settings": {**settings, "families": ["instruction"]}, "reward_hacking": "", "kl": 1.8}
+    ppo = {"held_out": {"sft": task_monitors(0.50, 0.010), "ppo": task_monitors(0.60, 0.012, kl=1.2)},
+           "held_out_settings": {**settings, "families": ["instruction"]}, "reward_hacking": ""}
+    sentiment = {"held_out": {"sft": task_monitors(0.47, 0.007, greedy=0.54, families=("sentiment",)),
                            "grpo": task_monitors(0.60, 0.015, greedy=0.61, kl=0.3, families=("sentiment",))},
-                 "task_settings": {**settings, "samples": 8, "max_new_tokens": 8, "families": ["sentiment"]},
+                 "held_out_settings": {**settings, "samples_per_prompt": 8, "max_new_tokens": 8,
+                                       "families": ["sentiment"]},
                  "reward_hacking": "", "kl": 0.3}
     metrics = {"grpo-tasks": instruction, "ppo-tasks": ppo, "grpo-sentiment": sentiment}
     text = "\n".join(report.skill_section(metrics, {"grpo-tasks": 200.0, "grpo-sentiment": 150.0}))

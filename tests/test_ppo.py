@@ -123,10 +123,15 @@ def test_response_token_lists_drop_prompt_sep_and_padding():
 
 
 def test_val_row_keys_round_trip():
-    monitors = {"rm_score": 1.0, "rm_score_se": 0.1, "judge": 0.6, "judge_se": 0.01, "kl": 2.0, "distinct_2": 0.9}
-    row = alignment.as_val_row(monitors)
+    """Monitors -> val_* keys of a metrics row -> monitors; the row's other keys (DPO's own val_ figures, a
+    rollout's score) are no monitors."""
+    from plumbing.held_out import as_val_row, from_val_row
+
+    monitors = {"rm_score": 1.0, "rm_score_se": 0.1, "judge": 0.6, "judge_se": 0.01, "kl": 2.0, "distinct_2": 0.9,
+                "all_pass1": 0.5}
+    row = as_val_row(monitors)
     assert row["val_score"] == 1.0 and row["val_score_se"] == 0.1 and row["val_judge"] == 0.6
-    assert alignment.from_val_row({**row, "val_score_sft": 1.0, "step": 0, "score": 5.0}) == monitors
+    assert from_val_row({**row, "val_loss": 0.7, "val_accuracy": 0.5, "step": 0, "score": 5.0}) == monitors
 
 
 def test_entropy_of_a_uniform_distribution_is_log_v():
@@ -174,8 +179,8 @@ def test_kl_is_zero_and_ratio_is_one_before_the_first_update(tokenizer):
     args = types.SimpleNamespace(max_new_tokens=6, temperature=1.0)
     torch.manual_seed(3)
     prompts = ["写一条好评：", "你好", "解释词语：明月"]
-    data = rollouts.rollout(policy, prompts, ref=ref, reward=alignment.rm_reward(reward), tokenizer=tokenizer,
-                            args=args, context_length=64, device="cpu", critic=critic)
+    data = rollouts.rollout(policy, prompts, ref=ref, tokenizer=tokenizer, args=args, context_length=64,
+                            device="cpu", critic=critic)
     assert torch.equal(data["logprobs"], data["ref_logprobs"])
     assert torch.equal(rollouts.kl_per_response(data["logprobs"], data["ref_logprobs"], data["response_mask"]),
                        torch.zeros(3))
@@ -188,16 +193,36 @@ def test_kl_is_zero_and_ratio_is_one_before_the_first_update(tokenizer):
     assert torch.equal(out["values"][:, P - 1:-1], data["values"])
 
 
-def test_rollout_scores_each_response_like_the_reward_model_alone(tokenizer):
-    """The batched, left-padded rollout scores each row exactly as the RM scores that sequence on its own."""
+def test_the_rm_reward_scores_each_response_like_the_reward_model_alone(tokenizer):
+    """The batched, left-padded rollout, scored by the RM as a reward, gives each row exactly the score the RM gives
+    that sequence on its own."""
     policy, ref, reward = tiny_models(1)
     args = types.SimpleNamespace(max_new_tokens=5, temperature=1.0)
-    data = rollouts.rollout(policy, ["短", "一个长一点的提示"], ref=ref, reward=alignment.rm_reward(reward),
-                            tokenizer=tokenizer, args=args, context_length=64, device="cpu", critic=reward)
+    prompts = ["短", "一个长一点的提示"]
+    data = rollouts.rollout(policy, prompts, ref=ref, tokenizer=tokenizer, args=args, context_length=64,
+                            device="cpu", critic=reward)
+    scores = alignment.rm_reward(reward)(data["prompts"], data)
     for row in range(2):
         real = data["attention_mask"][row].bool()
         alone = reward(data["input_ids"][row][real][None])["rewards"]
-        assert data["scores"][row].item() == pytest.approx(alone.item(), abs=1e-5)
+        assert scores[row].item() == pytest.approx(alone.item(), abs=1e-5)
+
+
+def test_k_samples_of_a_prompt_are_the_draws_of_the_prompt_written_k_times(tokenizer):
+    """``rollout(..., samples=k)`` reads each prompt once and answers it k times (rows b*k .. b*k+k-1): the same
+    tokens, log-probs and prompts per row as the prompts written out k times each, from the same seed."""
+    policy, ref, _ = tiny_models(2)
+    args = types.SimpleNamespace(max_new_tokens=6, temperature=1.0)
+    prompts = ["写一条好评：", "你好"]
+    runs = []
+    for rows, k in ((prompts, 3), (rollouts.each(prompts, 3), 1)):
+        torch.manual_seed(5)
+        runs.append(rollouts.rollout(policy, rows, ref=ref, tokenizer=tokenizer, args=args, context_length=64,
+                                     device="cpu", samples=k))
+    shared, written = runs
+    assert shared["prompts"] == written["prompts"] == ["写一条好评："] * 3 + ["你好"] * 3
+    for key in ("input_ids", "attention_mask", "response_mask", "logprobs", "ref_logprobs"):
+        assert torch.equal(shared[key], written[key]), key
 
 
 @pytest.fixture(scope="module")
@@ -231,14 +256,13 @@ def test_ppo_script_runs_and_resumes_exactly(tmp_path, ppo_parents):
     assert all(torch.equal(a[k], b[k]) for k in a)
     config = json.loads((straight / "config.json").read_text(encoding="utf-8"))
     assert config["stage"] == "ppo" and config["model_type"] == "gpt"
-    assert set(config["metrics"]) >= {"val_score_sft", "val_score_ppo", "val_score_gain", "kl", "held_out",
-                                      "reward_hacking"}
+    assert set(config["metrics"]) >= {"kl", "held_out", "held_out_settings", "reward_hacking"}
     held_out = config["metrics"]["held_out"]
     assert set(held_out["sft"]) == set(held_out["ppo"]) >= {"rm_score", "judge", "judge_se", "kl", "entropy",
                                                             "length", "eos_share", "distinct_2", "longest_run"}
     assert held_out["sft"]["kl"] == 0.0  # the SFT policy is its own reference
     rows = [json.loads(r) for r in (straight / "metrics.jsonl").read_text().splitlines()]
-    baseline = config["metrics"]["val_score_sft"]
+    baseline = held_out["sft"]["rm_score"]
     assert rows[0]["step"] == 0 and rows[0]["val_score"] == pytest.approx(baseline, abs=1e-5)  # the curve's start
     assert rows[1]["kl"] == 0.0  # the first rollout comes from the untouched policy
     assert {"score", "judge", "kl", "kl_coef", "clip_fraction", "entropy", "value_loss", "length", "eos_share",
@@ -310,34 +334,71 @@ def test_no_sampling_temperature_to_get_wrong(tmp_path, script):
 
 def test_held_out_monitors_measure_the_same_models_once(tokenizer, monkeypatch):
     """The pipeline runs PPO, DPO and GRPO in one process, and each measures the SFT policy first: a second call
-    with the same weights, prompts and settings returns the first call's figures without sampling again; changed
+    with the same weights, prompts and settings returns the first call's rows without sampling again; changed
     weights, another seed or autocast are measured anew."""
+    from plumbing import held_out as held_out_module
+
     policy, ref, reward = tiny_models()
     def judge(texts):  # a stand-in judge: the cache is what is tested
         return [0.5] * len(texts)
 
-    args = types.SimpleNamespace(max_new_tokens=4, eval_samples=2)
-    monkeypatch.setattr(alignment, "_MEASURED", {})
+    monkeypatch.setattr(held_out_module, "_MEASURED", {})
     calls = []
-    measure = alignment._measure_held_out
-    monkeypatch.setattr(alignment, "_measure_held_out", lambda *a: calls.append(a) or measure(*a))
+    answer = held_out_module._answer
+    monkeypatch.setattr(held_out_module, "_answer", lambda *a: calls.append(a) or answer(*a))
     prompts = ["写一条好评：", "你好"]
 
-    def held_out(seed=7):
-        return alignment.held_out_monitors(policy, ref, reward, judge, prompts, tokenizer, args, 64, "cpu", seed)
+    def measure(seed=7):
+        args = types.SimpleNamespace(max_new_tokens=4, seed=seed)
+        return held_out_module.measure(policy, ref, prompts, 2, tokenizer, args, 64, "cpu", reward_model=reward,
+                                       judge=judge)
 
-    first = held_out()
+    first = measure()
     first[0]["rm_score"] = None  # the caller's copy: changing it must not change what the next caller gets
-    again = held_out()
+    again = measure()
     assert len(calls) == 1 and again[0]["rm_score"] is not None
-    assert again == measure(policy, ref, reward, judge, prompts, tokenizer, args, 64, "cpu", 7)
-    held_out(seed=8)
+    assert [r["rm_score"] for r in again] == [r["rm_score"] for r in measure()]
+    measure(seed=8)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        held_out()
+        measure()
     with torch.no_grad():
         next(policy.parameters()).add_(0.01)
-    held_out()
+    measure()
     assert len(calls) == 4
+
+
+def test_a_held_out_row_per_answer_by_hand(tokenizer):
+    """``held_out.measure``: one row per sampled answer, k per prompt in order; the RM score of the first
+    READ_SAMPLES answers of each prompt, equal to the RM on that sequence alone, and their KL and entropy (KL exactly 0
+    for the reference's own weights), none on the later answers; and the preference summary's figures are the means
+    of those rows."""
+    from plumbing import held_out as held_out_module
+
+    policy, ref, reward = tiny_models(4)
+    prompts = ["写一条好评：", "你好", "解释词语：明月"]
+    args = types.SimpleNamespace(max_new_tokens=5, seed=3)
+    rows = held_out_module.measure(policy, ref, prompts, 5, tokenizer, args, 64, "cpu", reward_model=reward,
+                                   judge=lambda texts: [0.25] * len(texts))
+    assert [(r["prompt"], r["sample"]) for r in rows] == [(p, j) for p in range(3) for j in range(5)]
+    read = [j < held_out_module.READ_SAMPLES for p in range(3) for j in range(5)]
+    assert [("rm_score" in r) for r in rows] == [("kl" in r) for r in rows] == read
+    assert [r["kl"] for r in rows if "kl" in r] == [0.0] * sum(read)  # ref is a copy of the policy: the same weights
+    for r in rows[:2]:
+        ids = rm_tokens(tokenizer, prompts[r["prompt"]], r["ids"], r["ended"])
+        alone = reward(torch.tensor([ids]))["rewards"].item()
+        assert r["rm_score"] == pytest.approx(alone, abs=1e-5)
+    monitors = held_out_module.answer_monitors(rows)
+    rated = [r["rm_score"] for r in rows if "rm_score" in r]
+    assert monitors["rm_score"] == pytest.approx(sum(rated) / len(rated)) and monitors["judge"] == 0.25
+    assert monitors["length"] == pytest.approx(sum(len(r["ids"]) for r in rows) / len(rows))
+    assert monitors["kl"] == 0.0
+
+
+def rm_tokens(tokenizer, prompt, response_ids, ended):
+    """The tokens the RM reads for one answer: [CLS] prompt [ANS] response, and [SEP] when it ended."""
+    from chinese_tokenizer import EOS_ID, chat_prompt_ids
+
+    return chat_prompt_ids(prompt, tokenizer, 64) + response_ids + ([EOS_ID] if ended else [])
 
 
 @pytest.mark.parametrize("script, argv, says", [

@@ -69,7 +69,7 @@ def test_the_instruction_checker_wants_a_real_review_that_keeps_the_instruction(
 def test_a_degenerate_answer_gets_no_reward_even_when_it_keeps_the_instruction(tokenizer):
     """Through the reward GRPO trains on: the word alone, the word repeated, and a right review that never ended all
     score 0; the lax checker (no guard) would have paid for the first two."""
-    from plumbing.tasks import verifier_reward
+    from plumbing.alignment import verifier_reward
 
     tasks = [{"prompt": "写一条提到“早餐”的好评。", "answer": "mention:早餐", "family": "instruction"}] * 4
     answers = ["早餐", "早餐早餐早餐早餐早餐", REVIEW, REVIEW]
@@ -135,7 +135,7 @@ def test_length_by_limit_by_hand():
 def test_the_echo_earns_nothing_through_the_reward(tokenizer):
     """Through the reward GRPO and PPO train on: the prompt sent back, ended with [SEP], scores 0; a review keeping
     the limit scores 1."""
-    from plumbing.tasks import verifier_reward
+    from plumbing.alignment import verifier_reward
 
     tasks = [{"prompt": PROMPT, "answer": "max_chars:20", "family": "instruction"}] * 3
     data = rollout_data(tokenizer, [PROMPT, "好的，" + PROMPT, REVIEW], [True, True, True])
@@ -162,7 +162,7 @@ def test_the_sentiment_checker_wants_the_label_alone(response, right):
 def test_a_sentiment_answer_that_never_ends_gets_no_reward(tokenizer):
     """The label cut off before [SEP] (an answer that runs to the token limit), both labels, or the label repeated
     get 0 from the verifier; the label alone, ended, gets 1."""
-    from plumbing.tasks import verifier_reward
+    from plumbing.alignment import verifier_reward
 
     task = {"prompt": "这条评论是正面的还是负面的？“房间很干净。”", "answer": "正面", "family": "sentiment"}
     data = rollout_data(tokenizer, ["正面", "正面", "正面负面", "正面正面正面"], [True, False, True, True])
@@ -261,7 +261,7 @@ def rollout_data(tokenizer, answers, ended):
 def test_the_verifier_rewards_only_a_whole_answer_that_ended(tokenizer):
     """1.0 for the right answer followed by [SEP]; 0.0 for the right answer cut off before [SEP], for a wrong one and
     for an empty one."""
-    from plumbing.tasks import verifier_reward
+    from plumbing.alignment import verifier_reward
 
     tasks = [{"prompt": "计算：三加四", "answer": "七", "family": "arithmetic"}] * 4
     data = rollout_data(tokenizer, ["七", "七", "八", ""], [True, False, True, True])
@@ -271,7 +271,7 @@ def test_the_verifier_rewards_only_a_whole_answer_that_ended(tokenizer):
 def test_a_lax_checker_is_exploited_and_the_strict_one_and_the_monitors_are_not(tokenizer):
     """A policy that answers every problem with a list of candidates farms the lax checker (reward 1 on every
     problem) and gets 0 from the strict one, and the hacking flag names it from the monitors alone."""
-    from plumbing.tasks import verifier_reward
+    from plumbing.alignment import verifier_reward
 
     answers = [verifiers.to_chinese_digits(n) for n in range(20, 41)]
     tasks = [{"prompt": "计算：一二加一五", "answer": verifiers.to_chinese_digits(27), "family": "arithmetic"},
@@ -288,11 +288,14 @@ def test_a_lax_checker_is_exploited_and_the_strict_one_and_the_monitors_are_not(
 
 
 def test_the_rm_and_the_judge_read_only_the_answers_to_praise(tokenizer):
-    """The RM and the judge score the first RM_SAMPLES sampled answers of each problem asking for a 好评, never a
+    """The RM and the judge score the first READ_SAMPLES sampled answers of each problem asking for a 好评, never a
     差评's nor another family's (on those a higher positivity score would not be a better answer); a drop of either
     beyond two standard errors is flagged as worse reviews."""
+    import types
+
     from gpt_model import GPTModel, get_preset
-    from plumbing import tasks as tasks_module
+    from plumbing import held_out
+    from plumbing.tasks import task_monitors
 
     torch.manual_seed(0)
     policy = GPTModel(get_preset("tiny")).eval()
@@ -311,9 +314,10 @@ def test_the_rm_and_the_judge_read_only_the_answers_to_praise(tokenizer):
                 {"prompt": "写一条不超过二十个字的差评。", "answer": "max_chars:20", "family": "instruction"},
                 {"prompt": "写一条好评，最多三十个字。", "answer": "max_chars:30", "family": "instruction"},
                 {"prompt": "计算：三加四", "answer": "七", "family": "arithmetic"}]
-    monitors, _ = tasks_module.measure_tasks(policy, policy, problems, tokenizer, 6, 4, 64, "cpu", 0,
-                                             reward_model=CountingRM(), judge=judge)
-    per_problem = min(6, tasks_module.RM_SAMPLES)
+    rows = held_out.measure(policy, policy, problems, 6, tokenizer, types.SimpleNamespace(max_new_tokens=4, seed=0),
+                            64, "cpu", reward_model=CountingRM(), judge=judge, verifier="exact")
+    monitors = task_monitors(rows, problems, 6)
+    per_problem = min(6, held_out.READ_SAMPLES)
     assert len(seen_prompts) == len(seen_texts) == 2 * per_problem and monitors["praise_problems"] == 2
     for wanted in (problems[0], problems[2]):  # each 好评 problem's first answers, and nothing else
         text = tokenizer.decode(tokenizer.encode(wanted["prompt"], add_special_tokens=False))
@@ -362,7 +366,7 @@ def test_grpo_with_the_verifier_raises_held_out_accuracy_and_the_flipped_sign_lo
         assert GRPO.main(["--preset", "tiny", "--verifier", "exact", "--policy", str(sft), "--prompts_file",
                           str(train), "--val_prompts_file", str(test), "--output_dir", str(out), "--max_steps", "6",
                           "--learning_rate", "3e-3", "--eval_samples", "8", "--eval_examples", "16"]) == 0
-        tasks = json.loads((out / "config.json").read_text(encoding="utf-8"))["metrics"]["tasks"]
+        tasks = json.loads((out / "config.json").read_text(encoding="utf-8"))["metrics"]["held_out"]
         return tasks["sft"]["all_pass1"], tasks["grpo"]["all_pass1"]
 
     before, after = run(tmp_path / "grpo")
@@ -393,15 +397,15 @@ def test_ppo_with_the_verifier_starts_its_critic_from_the_policy_saying_zero(tmp
     assert PPO.main(["--preset", "tiny", "--verifier", "exact", "--policy", str(tiny_pretrain_checkpoint),
                      "--prompts_file", str(tasks), "--val_prompts_file", str(tasks), "--output_dir", str(out),
                      "--max_steps", "1", "--eval_examples", "4"]) == 0
-    tasks_measured = json.loads((out / "config.json").read_text(encoding="utf-8"))["metrics"]["tasks"]
+    tasks_measured = json.loads((out / "config.json").read_text(encoding="utf-8"))["metrics"]["held_out"]
     assert set(tasks_measured) == {"sft", "ppo"} and 0 <= tasks_measured["ppo"]["all_pass1"] <= 1
 
 
 def test_a_special_token_inside_an_answer_makes_it_wrong(tokenizer):
     """decode drops [ANS], [CLS], [PAD] and [MASK]: "六[ANS]三二" would read as "六三二"; the verifier refuses it."""
     from chinese_tokenizer import ANSWER_ID, EOS_ID, encode
+    from plumbing.alignment import verifier_reward
     from plumbing.rollouts import response_mask_after
-    from plumbing.tasks import verifier_reward
 
     right = encode("六三二", tokenizer)
     stray = right[:1] + [ANSWER_ID] + right[1:]
