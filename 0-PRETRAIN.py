@@ -33,8 +33,7 @@ from plumbing.training import StageRun, evaluate_lm, make_accelerator
 DEFAULTS = {
     "tiny": dict(max_steps=40, batch_size=8, learning_rate=3e-3, warmup_steps=4, eval_every=20, eval_examples=16,
                  optimizer="adamw"),
-    # demo: the winner of bench/sweep_pretrain.py (bench/README.md): Muon, 16 blocks of 128 tokens per step,
-    # 480 steps = 0.98M tokens (0.4 epoch) in about 5 minutes on 2 CPU cores
+    # the winner of sweep_pretrain.py: bench/README.md, "The demo recipes"; 0.98M tokens (0.4 epoch)
     "demo": dict(max_steps=480, batch_size=16, context_length=128, learning_rate=2e-3, warmup_steps=40,
                  eval_every=160, eval_examples=96, optimizer="muon"),
     "gpt2-zh-small": dict(max_steps=20000, batch_size=16, learning_rate=6e-4, warmup_steps=1000, eval_every=500,

@@ -49,13 +49,11 @@ from plumbing.records import read_chat_pairs
 from plumbing.training import StageRun, evaluate_lm, make_accelerator
 
 # Run length and optimisation per preset; every value can be overridden on the command line. The demo run sees
-# 320 x 16 = 5120 pairs (about 220k tokens, a third of the training set) and fits in two minutes on 2 CPU cores:
-# 20 steps more than the chat pairs alone had, for the 1000 two-character sentiment answers mixed in (at 300 steps
-# they cost the chat answers 0.055 nats of val response loss, at 320 0.023; bench/README.md, "A second family");
-# its peak rate is the demo pretraining's, because the small model has much left to learn about the formats.
+# 320 x 16 = 5120 pairs (about 220k tokens, a third of the training set) in about two minutes on 2 CPU cores.
 DEFAULTS = {
     "tiny": dict(max_steps=30, batch_size=8, learning_rate=3e-3, warmup_steps=3, eval_every=15, eval_examples=16,
                  optimizer="adamw"),
+    # steps: bench/README.md, "A second family"; the rate: the demo pretraining's, "The demo recipes"
     "demo": dict(max_steps=320, batch_size=16, learning_rate=2e-3, warmup_steps=20, eval_every=100,
                  eval_examples=200, optimizer="adamw"),
     "gpt2-zh-small": dict(max_steps=3000, batch_size=16, learning_rate=1e-4, warmup_steps=100, eval_every=250,

@@ -42,7 +42,7 @@ from plumbing.training import StageRun, make_accelerator
 DEFAULTS = {
     "tiny": dict(max_steps=30, batch_size=8, learning_rate=2e-3, warmup_steps=3, eval_every=15, eval_examples=64,
                  max_length=64, head_lr_scale=10.0, embedding_lr_scale=1.0),
-    # one epoch of the 4843 pairs; the embedding at 30x the rate (bench/README.md: the RM recipes)
+    # one epoch of the 4843 pairs; the embedding at 30x the rate: bench/README.md, "The demo recipes"
     "demo": dict(max_steps=300, batch_size=16, learning_rate=5e-4, warmup_steps=15, eval_every=100,
                  eval_examples=300, max_length=128, head_lr_scale=10.0, embedding_lr_scale=30.0),
     "gpt2-zh-small": dict(max_steps=1500, batch_size=16, learning_rate=2e-5, warmup_steps=100, eval_every=250,

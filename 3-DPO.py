@@ -49,13 +49,11 @@ from plumbing.rollouts import sequence_logprobs
 from plumbing.training import StageRun, make_accelerator
 
 # Run length and optimisation per preset; every value can be overridden on the command line. The model comes from
-# --policy, so the preset only sets how long and how fast to train, and beta. demo: 60 steps at beta 1
-# (bench/sweep_align.py --stage dpo: beta 0.1 moved the policy 8.9 nats from SFT in 60 steps; at 1 it stays under
-# 2 nats and the judge still gains 0.2); 96 of the 286 val pairs at the start and the end (each pass over all of
-# them took 14 s of the pipeline's budget), and as many held-out prompts as the file has (48)
+# --policy, so the preset only sets how long and how fast to train, and beta.
 DEFAULTS = {
     "tiny": dict(max_steps=10, batch_size=4, learning_rate=1e-4, warmup_steps=2, eval_every=5, eval_examples=8,
                  max_length=64, max_new_tokens=16, eval_samples=2, beta=0.1),
+    # beta and steps: bench/README.md, "The demo recipes" (sweep_align.py --stage dpo); 96 of the 286 val pairs
     "demo": dict(max_steps=60, batch_size=8, learning_rate=1e-4, warmup_steps=10, eval_every=60,
                  eval_examples=96, max_length=128, max_new_tokens=40, eval_samples=4, beta=1.0),
     "gpt2-zh-small": dict(max_steps=1000, batch_size=16, learning_rate=1e-6, warmup_steps=50, eval_every=200,
