@@ -58,10 +58,8 @@ STAGE_FLAGS = {"grpo-tasks": ["--verifier", "exact"], "ppo-tasks": ["--verifier"
                "grpo-sentiment": ["--verifier", "exact", "--prompts_file", "data/sentiment/train.jsonl",
                                   "--val_prompts_file", "data/sentiment/test.jsonl", "--max_new_tokens", "8",
                                   "--output_dir", CHECKPOINTS["grpo-sentiment"]]}
-# and per preset, where a stage's recipe differs from its script's defaults: on the demo the sentiment family needs
-# 40 iterations at 4e-4 where the instructions' 20 at 1e-4 suffice (at 24 it gained 6 points; bench/README.md),
-# measured once at the end, with 8 samples per held-out problem (a standard error of 1.5 points, not 2), and keeps
-# the KL weight 0.04 it was tuned with (at the instructions' 0.1 it gained 9.0 points instead of 10.3)
+# and per preset, where a stage's recipe differs from its script's defaults: the demo's sentiment family,
+# bench/README.md "A stage of its own in make pipeline" (its KL weight: "Keeping the reviews")
 PRESET_FLAGS = {("grpo-sentiment", "demo"): ["--max_steps", "40", "--eval_every", "40", "--learning_rate", "4e-4",
                                             "--eval_samples", "8", "--kl_coef", "0.04"]}
 PARENTS = {"sft": "pretrain", "rm": "sft", "ppo": "sft", "dpo": "sft", "grpo": "sft", "grpo-tasks": "sft",
