@@ -31,11 +31,11 @@ from plumbing.rollouts import token_logprobs
 
 def parse_args(argv=None):
     p = ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--preset", default="demo")
+    p.add_argument("--preset", default="demo", help="model size (gpt_model.PRESETS), random weights")
     p.add_argument("--rows", type=positive_int, default=64, help="sequences per minibatch (GRPO's demo: 64)")
     p.add_argument("--prompt", type=positive_int, default=26, help="prompt tokens")
     p.add_argument("--answer", type=positive_int, default=64, help="answer tokens")
-    p.add_argument("--rounds", type=positive_int, default=5)
+    p.add_argument("--rounds", type=positive_int, default=5, help="timed passes per variant (the median is shown)")
     return p.parse_args(argv)
 
 

@@ -43,7 +43,8 @@ def main(argv=None):
     args = parse_args(argv)
     for name in ("sft", "rm"):
         if not os.path.isfile(os.path.join(args.checkpoints, name, "config.json")):
-            raise UserError(f"--checkpoints {args.checkpoints}: no {name} checkpoint there; run make pipeline first")
+            raise UserError(f"--checkpoints {args.checkpoints}: no {name} checkpoint there; run make pipeline first, "
+                            f"or point --checkpoints at a folder holding sft and rm")
     sft, _, _ = load_checkpoint(os.path.join(args.checkpoints, "sft"), "gpt")
     reward_model, _, _ = load_checkpoint(os.path.join(args.checkpoints, "rm"), "reward")
     models = {"sft": sft}

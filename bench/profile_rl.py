@@ -81,7 +81,7 @@ def parse_args(argv=None):
     p.add_argument("--checkpoints", default=default_path("checkpoints"), help="folder holding sft and rm")
     p.add_argument("--stages", nargs="+", default=["ppo", "dpo", "grpo", "grpo-tasks", "ppo-tasks"],
                    choices=[s for s, _ in pipeline.STAGES[3:]], help="the stages to profile, run in this order")
-    p.add_argument("--preset", default="demo")
+    p.add_argument("--preset", default="demo", help="the preset each stage runs with, as the pipeline's --preset")
     return p.parse_args(argv)
 
 
@@ -89,7 +89,8 @@ def main(argv=None):
     args = parse_args(argv)
     for name in ("sft", "rm"):
         if not os.path.isfile(os.path.join(args.checkpoints, name, "config.json")):
-            raise UserError(f"--checkpoints {args.checkpoints}: no {name} checkpoint there; run make pipeline first")
+            raise UserError(f"--checkpoints {args.checkpoints}: no {name} checkpoint there; run make pipeline first, "
+                            f"or point --checkpoints at a folder holding sft and rm")
     results, timer = {}, Timer()
     with tempfile.TemporaryDirectory() as out:
         for stage in args.stages:

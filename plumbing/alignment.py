@@ -152,12 +152,12 @@ def add_held_out_arguments(p, stage: str) -> None:
     held-out prompts and how their answers are sampled. There is no ``--temperature``: every stage samples from the
     policy itself (temperature 1), because the log-probs it trains on and the KL it reports are those of the
     policy; sampling at another temperature would score one distribution and train another."""
+    scores = {"DPO": ": it scores the held-out answers only, DPO never trains on it",
+              "PPO": "; with --verifier it scores the held-out answers to 好评 instructions, beside the judge",
+              "GRPO": "; with --verifier it scores the held-out answers to 好评 instructions, beside the judge, and "
+                      "with --rm_weight the training answers to 好评 and 差评 instructions too, as part of the reward"}
     p.add_argument("--reward", default=default_path("checkpoints", "rm"),
-                   help="reward model checkpoint (2-RM.py)" + (
-                       "; with --verifier it scores the held-out answers to 好评 instructions, beside the judge (and "
-                       "in GRPO, with --rm_weight, the training answers to 好评 and 差评 instructions too, as part of "
-                       "the reward)"
-                       if stage != "DPO" else ": it scores the held-out answers only, DPO never trains on it"))
+                   help="reward model checkpoint (2-RM.py)" + scores[stage])
     if stage != "DPO":
         p.add_argument("--verifier", choices=sorted(VERIFIERS),
                        help="train on the verifiable tasks instead, rewarded 1 when this checker accepts the answer "
@@ -166,8 +166,9 @@ def add_held_out_arguments(p, stage: str) -> None:
                             "(data/instructions/) and the preset's values 'with --verifier'")
     p.add_argument("--val_prompts_file",
                    help="held-out prompts: the monitors (RM score, judge, KL, ...) before and after "
-                        f"{stage} (default: data/ppo/val_prompts.jsonl; with --verifier data/instructions/test.jsonl, "
-                        f"whose problems no stage trains on)")
+                        f"{stage} (default: data/ppo/val_prompts.jsonl" + (
+                            "; with --verifier data/instructions/test.jsonl, whose problems no stage trains on)"
+                            if stage != "DPO" else ")"))
     p.add_argument("--eval_samples", type=positive_int, help="sampled responses per held-out prompt for the monitors")
     p.add_argument("--max_new_tokens", type=positive_int, help="longest response")
 
