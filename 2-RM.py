@@ -271,6 +271,18 @@ def evaluate_pairs(model, pairs, tokenizer, args, accelerator) -> dict:
     return pair_metrics(chosen, rejected)
 
 
+def make_rm_optimizer(model, args):
+    """The optimizer of the reward model: the backbone's groups (``optimizers.make_optimizer``, the embedding at
+    ``--embedding_lr_scale`` times the rate) and the new scalar head in a group of its own at ``--head_lr_scale``
+    times the rate and without weight decay."""
+    optimizer = make_optimizer(model.backbone, args.learning_rate, args.weight_decay,
+                               embedding_lr_scale=args.embedding_lr_scale)
+    # the head is new: a larger step lets it grow to a useful scale while the pretrained backbone moves gently
+    optimizer.add_param_group({"params": list(model.head.parameters()), "weight_decay": 0.0,
+                               "lr_scale": args.head_lr_scale})
+    return optimizer
+
+
 def main(argv=None):
     args = parse_args(argv)
     if args.score:
@@ -305,11 +317,7 @@ def main(argv=None):
                       f"global batch {args.batch_size * schedule.global_batch_size}")
 
     # --- optimizer, Accelerate, and the stage's plumbing (which resumes a run given --resume) -------------------------
-    optimizer = make_optimizer(model.backbone, args.learning_rate, args.weight_decay,
-                               embedding_lr_scale=args.embedding_lr_scale)
-    # the head is new: a larger step lets it grow to a useful scale while the pretrained backbone moves gently
-    optimizer.add_param_group({"params": list(model.head.parameters()), "weight_decay": 0.0,
-                               "lr_scale": args.head_lr_scale})
+    optimizer = make_rm_optimizer(model, args)
     flops_per_token = training_flops_per_token(model.cfg, args.max_length, lm_head=False)  # a (E -> 1) head
     model, optimizer = accelerator.prepare(model, optimizer)
     stage = StageRun("rm", args, accelerator, model, optimizer, tokenizer,

@@ -23,7 +23,7 @@ from chinese_tokenizer import load_tokenizer
 from gpt_fast import speed_up
 from plumbing import held_out
 from plumbing.checkpoint import load_checkpoint
-from plumbing.cli import ArgumentParser, UserError, default_path, positive_int, run
+from plumbing.cli import ArgumentParser, default_path, positive_int, run
 from plumbing.judge import SentimentJudge
 from plumbing.records import read_prompt_files
 
@@ -41,10 +41,6 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
-    for name in ("sft", "rm"):
-        if not os.path.isfile(os.path.join(args.checkpoints, name, "config.json")):
-            raise UserError(f"--checkpoints {args.checkpoints}: no {name} checkpoint there; run make pipeline first, "
-                            f"or point --checkpoints at a folder holding sft and rm")
     sft, _, _ = load_checkpoint(os.path.join(args.checkpoints, "sft"), "gpt")
     reward_model, _, _ = load_checkpoint(os.path.join(args.checkpoints, "rm"), "reward")
     models = {"sft": sft}

@@ -347,8 +347,8 @@ class Online:
         are known, the judge and the RM's own score of the 好评 and of the 差评 answers."""
         ids = response_token_lists(data)
         kl = kl_per_response(data["logprobs"], data["ref_logprobs"], data["response_mask"])  # (B,)
-        texts = [decode(r, self.tokenizer) for r in ids]
-        judged = self.judge(texts) if self.reward_model is not None else [0.0] * len(ids)
+        judged = ([0.0] * len(ids) if self.reward_model is None  # the judge reads the preference path's answers
+                  else self.judge([decode(r, self.tokenizer) for r in ids]))
         monitors = summarize(ids, data["ended"].tolist(), rewards[:, 0].tolist(), judged)
         row = {"score": monitors["rm_score"], "kl": kl.mean().item(),
                "entropy": ((data["entropy"] * data["response_mask"]).sum()
