@@ -24,7 +24,6 @@ from plumbing.checkpoint import check_output_dir, check_vocab, load_backbone
 from plumbing.cli import UserError, add_optimizer_argument, default_path, fill_defaults, run, stage_parser
 from plumbing.devices import forked_rng
 from plumbing.documents import load_text_documents
-from plumbing.flops import training_flops_per_token
 from plumbing.optimizers import lr_at, make_optimizer, set_lr
 from plumbing.token_cache import PackedBlocks
 from plumbing.training import StageRun, evaluate_lm, make_accelerator
@@ -115,12 +114,10 @@ def main(argv=None):
                       f"global batch {schedule.global_batch_size} x {block_len} tokens")
 
     # --- optimizer, Accelerate, and the stage's plumbing (which resumes a run given --resume) -----------------------
-    flops_per_token = training_flops_per_token(model.cfg, block_len)  # for the FLOP/s and MFU in the log
     optimizer = make_optimizer(model, args.learning_rate, args.weight_decay, args.optimizer)
     model, optimizer = accelerator.prepare(model, optimizer)
     stage = StageRun("pretrain", args, accelerator, model, optimizer, tokenizer, parent,
-                     plot=("loss_curve.png", ["train_loss", "val_loss"]),
-                     flops_per_token=flops_per_token)
+                     plot=("loss_curve.png", ["train_loss", "val_loss"]))
 
     def evaluate_and_sample():
         """Val loss and perplexity, and a greedy and a sampled continuation of SAMPLE_PROMPT."""

@@ -42,7 +42,6 @@ from plumbing.cli import (
     run,
     stage_parser,
 )
-from plumbing.flops import training_flops_per_token
 from plumbing.markdown import markdown_table
 from plumbing.optimizers import lr_at, make_optimizer, set_lr
 from plumbing.records import read_chat_pairs
@@ -196,8 +195,7 @@ def main(argv=None):
     optimizer = make_optimizer(model, args.learning_rate, args.weight_decay, args.optimizer)
     model, optimizer = accelerator.prepare(model, optimizer)
     stage = StageRun("sft", args, accelerator, model, optimizer, tokenizer, parent,
-                     plot=("loss_curve.png", ["train_loss", "val_loss"]),
-                     flops_per_token=training_flops_per_token(cfg, max_length))  # batches are at most max_length
+                     plot=("loss_curve.png", ["train_loss", "val_loss"]))
     table = []  # the latest greedy answers to the fixed prompts
     stage.files["samples.md"] = lambda path: write_samples(path, table, stage.step)
 

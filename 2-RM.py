@@ -30,7 +30,6 @@ from gpt_model import RewardModel
 from plumbing.batching import BatchSchedule, length_grouped_batches, pad_right, spread_subset
 from plumbing.checkpoint import check_output_dir, load_backbone, load_checkpoint
 from plumbing.cli import UserError, default_path, fill_defaults, positive_float, positive_int, run, stage_parser
-from plumbing.flops import training_flops_per_token
 from plumbing.optimizers import lr_at, make_optimizer, set_lr
 from plumbing.records import expand_files, non_blank_lines, read_jsonl, read_preference_pairs
 from plumbing.reward import pairs_ranked_right, score_texts
@@ -318,12 +317,10 @@ def main(argv=None):
 
     # --- optimizer, Accelerate, and the stage's plumbing (which resumes a run given --resume) -------------------------
     optimizer = make_rm_optimizer(model, args)
-    flops_per_token = training_flops_per_token(model.cfg, args.max_length, lm_head=False)  # a (E -> 1) head
     model, optimizer = accelerator.prepare(model, optimizer)
     stage = StageRun("rm", args, accelerator, model, optimizer, tokenizer,
                      {**parent, "objective": args.objective, "max_length": args.max_length},
-                     plot=("loss_curve.png", ["train_loss", "val_loss", "val_accuracy", "val_margin"]),
-                     flops_per_token=flops_per_token)
+                     plot=("loss_curve.png", ["train_loss", "val_loss", "val_accuracy", "val_margin"]))
 
     # --- the loop ----------------------------------------------------------------------------------------------------
     model.train()

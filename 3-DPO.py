@@ -39,7 +39,6 @@ from plumbing.cli import (
     run,
     stage_parser,
 )
-from plumbing.flops import training_flops_per_token
 from plumbing.held_out import PREFERENCES, HeldOut
 from plumbing.judge import SentimentJudge
 from plumbing.optimizers import lr_at, make_optimizer, set_lr
@@ -219,15 +218,13 @@ def main(argv=None):
     schedule = BatchSchedule(len(batches), 1, args.gradient_accumulation_steps, accelerator.num_processes, args.seed)
 
     # --- optimizer, Accelerate, and the stage's plumbing (which resumes a run given --resume) -------------------
-    # the policy's training FLOPs; the reference's forward pass on the same tokens (a third more) is not counted
-    flops_per_token = training_flops_per_token(policy.cfg, args.max_length)
     optimizer = make_optimizer(policy, args.learning_rate, args.weight_decay)
     model, optimizer = accelerator.prepare(policy, optimizer)  # model: Accelerate's wrapper, what trains
     policy = accelerator.unwrap_model(model, keep_torch_compile=False)  # the plain GPTModel: samples, is saved
     stage = StageRun("dpo", args, accelerator, model, optimizer, tokenizer,
                      {**parent, "beta": args.beta, "loss": args.loss},
                      plot=("curves.png", ["train_loss", "val_loss", "val_accuracy", "val_margin"]),
-                     flops_per_token=flops_per_token)
+                     other_models=(ref, reward_model))
 
     # the monitors PPO and GRPO report, on the same held-out prompts and draws: what DPO did to the answers
     held_out = HeldOut(stage, policy, ref, read_val_prompts(args), tokenizer, args, context_length, PREFERENCES,

@@ -38,7 +38,6 @@ from plumbing.cli import (
     run,
     stage_parser,
 )
-from plumbing.flops import training_flops_per_token
 from plumbing.optimizers import lr_at, make_optimizer, set_lr
 from plumbing.rollouts import masked_mean, token_logprobs
 from plumbing.training import StageRun, make_accelerator
@@ -241,7 +240,7 @@ def main(argv=None):
     # --- prompts to practise on, held-out ones to measure the change, the policy and a frozen reference from SFT,
     # and the rewards: the frozen RM's score, or a verifier's 1 or 0 (no critic either way) -------------------------
     online = Online(args, tokenizer, accelerator.device, rm_weight=args.rm_weight or 0.0)
-    speed_up(online.policy, online.ref, online.reward_model, online.review_model)  # fast paths (gpt_fast.py)
+    speed_up(online.policy, *online.scorers)  # the same models, their fast paths on (gpt_fast.py)
     prompts = online.prompts
 
     # --- optimizer, Accelerate, and the stage's plumbing (which resumes a run given --resume) -------------------
@@ -255,8 +254,7 @@ def main(argv=None):
                                           ("length", "val_length"), ("eos_share", "val_eos_share"),
                                           ("distinct_2", "val_distinct_2"), "flat_groups", "clip_fraction",
                                           "train_loss"]),
-                     # each sampled token trained on --grpo_epochs times (the sampling itself is not counted)
-                     flops_per_token=args.grpo_epochs * training_flops_per_token(policy.cfg, online.context_length))
+                     other_models=online.scorers)
     held_out = online.held_out(stage, policy)
     sft = held_out.before()  # step 0 of the val_* curves: the SFT policy before any update
 

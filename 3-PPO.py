@@ -55,7 +55,6 @@ from plumbing.cli import (
     stage_parser,
     unit_interval,
 )
-from plumbing.flops import training_flops_per_token
 from plumbing.judge import KL_LIMIT
 from plumbing.optimizers import lr_at, make_optimizer, set_lr
 from plumbing.rollouts import masked_mean, penalise_unfinished, token_logprobs
@@ -255,9 +254,9 @@ def main(argv=None):
     # --- prompts to practise on, held-out ones to measure the gain, the policy and a frozen reference from SFT,
     # the reward (the frozen RM's score, or a verifier's 1 or 0) and the critic ---------------------------------------
     online = Online(args, tokenizer, accelerator.device)
-    prompts, context_length = online.prompts, online.context_length
+    prompts = online.prompts
     critic = make_critic(online)
-    speed_up(online.policy, online.ref, online.reward_model, online.review_model, critic)  # gpt_fast.py
+    speed_up(online.policy, *online.scorers, critic)  # the same models, their fast paths on (gpt_fast.py)
 
     # --- optimizer, Accelerate, and the stage's plumbing (which resumes a run given --resume) -----------------------
     model = PolicyAndCritic(online.policy, critic)
@@ -269,10 +268,7 @@ def main(argv=None):
     stage = StageRun("ppo", args, accelerator, model, optimizer, tokenizer, online.parent,
                      plot=("curves.png", CURVES), unwrapped_model=policy, extra={"kl_coef": args.kl_coef},
                      write_state=lambda d: save_model(critic, os.path.join(d, "critic.safetensors")),
-                     # policy and critic trained on each sampled token --ppo_epochs times (fewer when --max_approx_kl
-                     # stops them early: then this is an upper bound; the sampling itself is not counted)
-                     flops_per_token=args.ppo_epochs * (training_flops_per_token(critic.cfg, context_length, False)
-                                                        + training_flops_per_token(critic.cfg, context_length)))
+                     other_models=online.scorers)
     if args.resume:
         load_model(critic, os.path.join(args.output_dir, "state", "critic.safetensors"))
     kl_limit = args.target_kl or DEFAULT_TARGET_KL  # the flag's KL budget, also when beta is fixed

@@ -45,6 +45,7 @@ import hashlib
 import json
 import os
 import sys
+import time
 
 import torch
 
@@ -61,6 +62,7 @@ from plumbing.cli import (
     run,
 )
 from plumbing.devices import pick_device
+from plumbing.flops import FlopCounter, format_speed, speed_record
 from plumbing.inference import (
     DTYPES,
     add_dtype_argument,
@@ -191,10 +193,11 @@ def answer(prompt: str, model, tokenizer, chat: bool, args, reward_model=None, o
     return [{"prompt": prompt, "response": responses[best], "score": scores[best]}]
 
 
-def write_monitors(path: str, samples: list[list[dict]], n: int) -> dict:
+def write_monitors(path: str, samples: list[list[dict]], n: int, speed: dict) -> dict:
     """``--monitors``: for k = 1, 2, 4, ... and n, ``judge.summarize`` of the best of each prompt's first k samples
     (``samples``: one list of n sample dicts per prompt, from ``answer``), plus ``best_of_n`` (k) and ``kl_bound``
-    (best-of-k's KL to the sampling model, nats per response). Returns and writes ``{str(k): monitors}``."""
+    (best-of-k's KL to the sampling model, nats per response). Returns ``{str(k): monitors}``, and writes it with
+    ``"speed"``: ``speed`` (``flops.speed_record`` of the sampling and scoring)."""
     from plumbing.judge import SentimentJudge, best_of_n_kl, summarize
 
     judge, result = SentimentJudge(), {}
@@ -204,7 +207,7 @@ def write_monitors(path: str, samples: list[list[dict]], n: int) -> dict:
                              judge([s["response"] for s in kept]))
         result[str(k)] = {**monitors, "best_of_n": k, "kl_bound": best_of_n_kl(k)}
     with open(path, "w", encoding="utf-8") as f:
-        json.dump(result, f, indent=1)
+        json.dump({**result, "speed": speed}, f, indent=1)
     return result
 
 
@@ -286,6 +289,7 @@ def main(argv=None):
     reward_model = speed_up(load_reward(args.reward, model.cfg.vocab_size).to(device)) if args.reward else None
     log(f"device {device}, {weight_dtype(model)} weights; {sum(p.numel() for p in model.parameters()):,} "
         f"parameters; context {model.cfg.context_length} tokens")
+    flop_counter, started = FlopCounter(model, reward_model), time.perf_counter()  # every pass the answers take
     if args.max_new_tokens >= model.cfg.context_length:
         log(f"note: a prompt and --max_new_tokens {args.max_new_tokens} are longer than the model's context of "
             f"{model.cfg.context_length} tokens; past it, each new token sees only the last {model.cfg.context_length}")
@@ -311,8 +315,10 @@ def main(argv=None):
                 out.close()
         if args.output:
             log(f"wrote {args.output}")
+        speed = speed_record(flop_counter.flops, time.perf_counter() - started, device, next(model.parameters()).dtype)
+        log(f"the answers took {sum(speed['flops'].values()):.3g} FLOPs: {format_speed(speed)}")
         if args.monitors:
-            for k, m in write_monitors(args.monitors, kept, args.num_samples).items():
+            for k, m in write_monitors(args.monitors, kept, args.num_samples, speed).items():
                 log(f"best-of-{k}: RM score {m['rm_score']:.3f}, judge {m['judge']:.3f} ± {m['judge_se']:.3f}, "
                     f"distinct-2 {m['distinct_2']:.3f}, ends with [SEP] {m['eos_share']:.0%}, KL <= "
                     f"{m['kl_bound']:.2f}")

@@ -377,7 +377,7 @@ def generate(model, idx, max_new_tokens, context_size, temperature=0.0, top_k=No
     with torch.no_grad():
         was_training = model.training
         model.eval()
-        for _ in range(max_new_tokens):
+        for written in range(1, max_new_tokens + 1):
             if batch.logits is None:
                 batch.prefill(model, num_samples)
                 num_samples = 1
@@ -386,8 +386,8 @@ def generate(model, idx, max_new_tokens, context_size, temperature=0.0, top_k=No
                 logits = apply_repetition_penalty(logits.float(), batch.live(batch.idx), repetition_penalty)
             next_ids = next_token(logits, temperature, top_k, top_p)
             batch.append(next_ids, eos_id, stream)
-            if bool(batch.finished.all()):
-                break
+            if bool(batch.finished.all()) or written == max_new_tokens:
+                break  # the last token's logits would never be read: no pass for them
             if eos_id is not None:
                 batch.drop_finished()
             batch.step(model)

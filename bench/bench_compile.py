@@ -43,10 +43,10 @@ def run_stage(stage: str, out: str, compiled: bool, extra: list[str]) -> dict:
         rows = [json.loads(line) for line in f]
     with open(os.path.join(out, "config.json"), encoding="utf-8") as f:
         config = json.load(f)
-    per_token = config["flops_per_token"]
+    per_token = config["flops"]["train"] / config["tokens_seen"]  # the training FLOPs of one token
     steps = [r for r in rows if r.get("step", 0) > 0 and "flop_s" in r and "val_loss" not in r]
     seconds, previous = [], 0
-    for r in steps:  # a step's seconds = its tokens x FLOPs per token / the FLOP/s logged for it
+    for r in steps:  # a step's seconds = its tokens x FLOPs per token / the FLOP/s logged for it (no eval in it)
         seconds.append((r["tokens_seen"] - previous) * per_token / r["flop_s"])
         previous = r["tokens_seen"]
     return {"wall_s": wall, "first_step_s": seconds[0], "step_s": statistics.median(seconds[1:]),

@@ -43,7 +43,7 @@ from bench_decode import kv_bytes_per_step, weight_bytes_per_step  # noqa: E402 
 
 from gpt_fast import chunked_next_token_loss, generate, speed_up  # noqa: E402
 from gpt_model import GPTModel, get_preset  # noqa: E402
-from plumbing.flops import device_name, format_utilisation, peak_flops, training_flops_per_token  # noqa: E402
+from plumbing.flops import device_name, format_utilisation, peak_flops, training_flops_per_token, utilisation  # noqa: E402
 from plumbing.optimizers import make_optimizer  # noqa: E402
 
 # The sizes of a real check and of the dry run (the same steps, small enough for 2 CPU cores).
@@ -228,7 +228,7 @@ def pretrain_throughput(check: Check, device, size, compiled: bool) -> list:
             rows = [json.loads(line) for line in f]
     finally:
         shutil.rmtree(out, ignore_errors=True)
-    steady = [r for r in rows if r["step"] > size["skip"] and "flop_s" in r]
+    steady = [r for r in rows if r["step"] > size["skip"] and "flop_s" in r and "val_loss" not in r]  # training alone
     flop_s = statistics.median(r["flop_s"] for r in steady)
     per_token = training_flops_per_token(cfg, cfg.context_length)
     tokens_s = flop_s / per_token
@@ -238,7 +238,7 @@ def pretrain_throughput(check: Check, device, size, compiled: bool) -> list:
     result = {"batch": batch, "tokens_per_s": tokens_s, "flop_s": flop_s, "mfu": flop_s / peak if peak else None,
               "first_step_s": first, "step_s": step_s, "stage_wall_s": wall}
     check.results[f"pretrain_compile_{compiled}"] = result
-    values = {"flop_s": flop_s, **({"mfu": flop_s / peak} if peak else {})}
+    values = utilisation(flop_s, peak)
     return [(f"pretrain {size['preset']}, bf16, {'--compile' if compiled else 'eager'}",
              f"micro-batch {batch}: {tokens_s:,.0f} tokens/s, {format_utilisation(values)}; step {step_s:.3f} s; "
              f"first step {first:.1f} s (compilation included); whole run {wall:.0f} s for {size['steps']} steps")]

@@ -9,9 +9,9 @@ Command line and files:   cli (user errors, shared flags), checkpoint (the hand-
 Data:                     records (reading and checking data files), documents (pretraining text streams),
                           token_cache (tokenized once to disk, packed into blocks), batching (padding, chat
                           examples, the data order)
-Training:                 devices (precision, device, the RNG around sampling), flops (training FLOPs per token,
-                          GPU peaks, MFU), optimizers (AdamW, Muon, the schedule), training (StageRun and the
-                          loop's pieces)
+Training:                 devices (precision, device, the RNG around sampling), flops (the FLOPs of every model
+                          call, counted by kind; GPU peaks, MFU, a matrix product's speed), optimizers (AdamW, Muon,
+                          the schedule), training (StageRun and the loop's pieces)
 Alignment and judging:    rollouts (sampling answers, their log-probs), reward (scoring with an RM, the pair-accuracy
                           rule), alignment (the online aligners' rewards and set-up), held_out (the held-out
                           measurement of every aligner), judge (the independent judge and the monitors), baselines

@@ -306,6 +306,11 @@ class Online:
         self.weights = torch.tensor([r.weight for r in self.rewards], device=device)  # (K,)
         note_if_not_chat(args)
 
+    @property
+    def scorers(self) -> tuple:
+        """The models it runs besides the policy (the reference, the reward models), None where it has none."""
+        return self.ref, self.reward_model, self.review_model
+
     def _load_review_model(self, args, rm_weight: float, device) -> None:
         """The RM of the verifiable path: it reads the held-out 好评 answers, and is a reward at ``rm_weight``."""
         has_rm = os.path.isfile(os.path.join(args.reward, "config.json"))

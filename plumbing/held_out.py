@@ -26,6 +26,7 @@ from chinese_tokenizer import EOS_ID
 from gpt_fast import generate
 from plumbing.checkpoint import weights_digest
 from plumbing.devices import forked_rng
+from plumbing.flops import counting_as
 from plumbing.judge import KL_LIMIT, reward_hacking_flag, summarize
 from plumbing.markdown import markdown_table
 from plumbing.records import shown_prompt
@@ -78,7 +79,7 @@ def measure(policy, ref, prompts, samples: int, tokenizer, args, context_length:
            context_length, str(device), args.seed, verifier, str(autocast), MEASURE_PROMPTS)
     if key not in _MEASURED:
         same = weights_digest(policy) == weights_digest(ref)
-        with forked_rng(device):
+        with forked_rng(device), counting_as("held_out"):  # its FLOPs apart from the stage's own
             torch.manual_seed(args.seed)
             _MEASURED[key] = [row for start in range(0, len(prompts), MEASURE_PROMPTS)
                               for row in _answer(policy, None if same else ref, prompts, start, samples, tokenizer,

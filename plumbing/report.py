@@ -22,7 +22,7 @@ import shutil
 from chinese_tokenizer import encode, load_tokenizer
 from gpt_model import GPTConfig
 from plumbing.cli import UserError, default_path
-from plumbing.flops import format_utilisation, utilisation
+from plumbing.flops import format_speed
 from plumbing.hf_weights import CLASSES, architecture_for
 from plumbing.judge import best_of_n_kl, distinct_n, longest_repeat, reward_hacking_flag
 from plumbing.markdown import markdown_table
@@ -331,25 +331,35 @@ def task_summary(stage: str, metrics: dict) -> str:
             f"{fmt(metrics.get('kl'), '.2f')} nats/response")
 
 
-def achieved_flops(config: dict, rows) -> str:
-    """The table's FLOP/s cell: the stage's training FLOPs per token (``config["flops_per_token"]``) times its
-    tokens/s over the whole stage, with the MFU where the device's peak is known; "—" for a stage that did not
-    record them (an older checkpoint)."""
-    rate, per_token = tokens_per_second(rows), config.get("flops_per_token")
-    if not rate or not per_token:
-        return "—"
-    return format_utilisation(utilisation(per_token, rate, config.get("peak_flops")))
+FLOP_KINDS = (("train", "training"), ("forward", "scoring and reference passes"), ("sample", "sampling"),
+              ("held_out", "held-out measurement"))
 
 
-def stage_table(preset: str, launch: str, times: dict, records: dict, baselines: dict) -> list[str]:
-    """Markdown lines: one row per step of the pipeline (wall time, training tokens/s and FLOP/s (MFU), final
-    metrics beside the counting baseline each one bounds), then the precision and device line. ``records``:
-    ``read_records``."""
+def flops_table(records: dict, best_of_n: dict | None = None) -> list[str]:
+    """Markdown lines: for each stage that recorded its FLOPs by kind (``flops.FlopCounter``), and best-of-n, their
+    total and the share of each kind in it, so that a reader sees which part of a stage its arithmetic goes to."""
+    rows = []
+    recorded = [(stage, record["config"].get("flops")) for stage, record in records.items()]
+    for stage, flops in recorded + [("best-of-n", (best_of_n or {}).get("speed", {}).get("flops"))]:
+        flops = flops or {}
+        total = sum(flops.values())
+        if total:
+            rows.append((stage, f"{total:.3g}", *(f"{flops.get(kind, 0) / total:.0%}" for kind, _ in FLOP_KINDS)))
+    if not rows:
+        return []
+    return [markdown_table(("stage", "FLOPs", *(name for _, name in FLOP_KINDS)), rows).rstrip("\n"), ""]
+
+
+def stage_table(preset: str, launch: str, times: dict, records: dict, baselines: dict,
+                best_of_n: dict | None = None) -> list[str]:
+    """Markdown lines: one row per step of the pipeline (wall time, training tokens/s, FLOP/s and its share, final
+    metrics beside the counting baseline each one bounds), then the precision and device line and ``flops_table``.
+    ``records``: ``read_records``; ``best_of_n``: ``generate.py --monitors``' dict, with the ``speed`` of its run."""
     m, b = {stage: r["metrics"] for stage, r in records.items()}, baselines
 
-    def speed(stage):  # the tokens/s and FLOP/s (MFU) cells
+    def speed(stage):  # the tokens/s and FLOP/s cells
         record = records[stage]
-        return fmt(tokens_per_second(record["rows"]), ",.0f"), achieved_flops(record["config"], record["rows"])
+        return fmt(tokens_per_second(record["rows"]), ",.0f"), format_speed(record["config"])
 
     rows = [("data/prepare.py", f"{times['data']:.0f} s", "—", "—",
              f"{'already built; ' if times['data'] < 1 else ''}see data/MANIFEST.json"),
@@ -366,23 +376,27 @@ def stage_table(preset: str, launch: str, times: dict, records: dict, baselines:
             ("2-RM", f"{times['rm']:.0f} s", *speed("rm"),
              f"test accuracy {fmt(m['rm'].get('test_accuracy'))} (counting baseline: naive Bayes "
              f"{fmt(b.get('naive_bayes_test_accuracy'))}), test margin {fmt(m['rm'].get('test_margin'))}"),
-            *[(f"3-{stage.upper()}", f"{times[stage]:.0f} s", "—", "—",
+            *[(f"3-{stage.upper()}", f"{times[stage]:.0f} s", *speed(stage),
                aligned_summary(stage, m[stage], fmt, (records[stage]["rows"] or [{}])[0])) for stage in ALIGNED],
             *[(f"3-{stage.split('-')[0].upper()} --verifier exact "
                f"({', '.join(m[stage].get('held_out_settings', {}).get('families', []))})", f"{times[stage]:.0f} s",
-               "—", "—", task_summary(stage, m[stage])) for stage in TASK_ALIGNED if stage in m],
+               *speed(stage), task_summary(stage, m[stage])) for stage in TASK_ALIGNED if stage in m],
             ("generation", f"{times['generate']:.0f} s", "—", "—",
              f"{len(ANSWERING)} models × {len(REPORT_PROMPTS)} prompts"),
-            ("best-of-n", f"{times.get('best_of_n', 0):.0f} s", "—", "—",
+            ("best-of-n", f"{times.get('best_of_n', 0):.0f} s", "—", format_speed((best_of_n or {}).get("speed", {})),
              f"{max(BEST_OF)} samples per held-out prompt from the SFT model, scored by the RM")]
     precisions = sorted({r["config"].get("mixed_precision", "no") for r in records.values()})
     devices = sorted({r["config"].get("device", "?") for r in records.values()})
     return [f"# Report card — preset `{preset}`", "", f"Data: `data/MANIFEST.json`. Launch: `{launch}`.", "",
-            markdown_table(("stage", "wall time", "tokens/s", "FLOP/s (MFU)", "final metrics"), rows).rstrip("\n"),
+            markdown_table(("stage", "wall time", "tokens/s", "FLOP/s", "final metrics"), rows).rstrip("\n"),
             "", f"Precision: {', '.join(precisions)} autocast (`--mixed_precision`; bf16 where the CPU or GPU "
-            f"computes it natively). Device: {', '.join(devices)}. FLOP/s: the training FLOPs of the stage's tokens "
-            f"(6N + 12·L·H·Q·T per token, `plumbing/flops.py`) over its whole wall time, evaluations included; the "
-            f"MFU divides them by the GPU's dense bf16 peak (none is given for a CPU).", ""]
+            f"computes it natively). Device: {', '.join(devices)}. Tokens/s: the tokens a stage trained on over its "
+            f"whole wall time. FLOP/s: every pass the stage ran on its models (training 6N + 12·L·H·Q·T per token, "
+            f"a forward pass for scoring or sampling 2N + 4·L·E per token and key it attends to; "
+            f"`plumbing/flops.py`) over its whole wall time; beside it the MFU, the share of the GPU's dense bf16 "
+            f"peak, or on a CPU, which has no datasheet peak here, the share of what one 1024 × 1024 matrix "
+            f"product reached in the stage's own process and precision. Where each stage's arithmetic goes:", "",
+            *flops_table(records, best_of_n)]
 
 
 BASELINES_EXPLAINED = (
@@ -492,7 +506,7 @@ def write_report(report_dir: str, checkpoints: dict, preset: str, launch: str, t
     that ``--resume`` kept from the earlier run). Returns the Markdown."""
     records = read_records(checkpoints)
     metrics = {stage: r["metrics"] for stage, r in records.items()}
-    lines = (stage_table(preset, launch, times, records, baselines or {}) + notes_section(preset, kept)
+    lines = (stage_table(preset, launch, times, records, baselines or {}, best_of_n) + notes_section(preset, kept)
              + held_out_section(metrics, best_of_n, times) + skill_section(metrics, times)
              + export_section(records, checkpoints)
              + curves_section(checkpoints, report_dir)

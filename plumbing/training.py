@@ -19,9 +19,11 @@ import math
 import os
 import signal
 import time
+from collections import Counter
 from contextlib import ExitStack
 
 import torch
+from accelerate.utils import gather_object
 from safetensors.torch import load_file, save_file
 from tqdm.auto import tqdm
 
@@ -29,7 +31,7 @@ from plumbing import cli
 from plumbing.checkpoint import command_line, load_weights_into, save_checkpoint
 from plumbing.cli import UserError
 from plumbing.devices import pick_mixed_precision
-from plumbing.flops import device_name, format_utilisation, peak_flops, utilisation
+from plumbing.flops import FlopCounter, device_name, format_utilisation, peak_flops, speed_record, utilisation
 
 
 def make_accelerator(args):
@@ -322,9 +324,9 @@ class StageRun:
     * ``end_step(loss, tokens)``: the loss averaged over processes and checked on every process alike, so a
       non-finite loss on one process stops them all with the same error instead of leaving the others waiting
       in the next collective; the step and token counters;
-    * ``log(row)``: one ``metrics.jsonl`` row with step, the learning rate, tokens_seen and seconds, and, given
-      ``flops_per_token``, the achieved FLOP/s since the last row (``flop_s``) and the MFU where the device's peak
-      is known (``flops.peak_flops``);
+    * ``log(row)``: one ``metrics.jsonl`` row with step, the learning rate, tokens_seen and seconds, and the FLOP/s
+      since the last row (``flop_s``: ``flops.FlopCounter`` counts every pass of the stage's models) with the MFU
+      where the device's peak is known (``flops.peak_flops``);
     * ``save(final)`` / ``finish(summary)``: the checkpoint (atomic, see ``checkpoint.save_checkpoint``) with
       metrics, the curves PNG, the stage's extra files and, unless final, ``state/``; the closing message.
 
@@ -341,13 +343,12 @@ class StageRun:
         plot: (file name, metric keys) of the curves PNG written with the final checkpoint.
         extra: JSON counters the stage updates and that resume restores (e.g. PPO's ``kl_coef``).
         write_state: an optional ``fn(state_dir)`` saving more resumable tensors (e.g. PPO's critic).
-        flops_per_token: the training FLOPs of one token (``flops.training_flops_per_token``), for the achieved
-            FLOP/s and MFU in the log, on the bar and in ``config.json``; None logs tokens/s alone.
+        other_models: the models the stage runs besides ``model`` (a reference, a reward model): their passes count
+            in the stage's FLOPs too.
     """
 
     def __init__(self, stage: str, args, accelerator, model, optimizer, tokenizer, meta: dict, plot,
-                 unwrapped_model=None, extra: dict | None = None, write_state=None,
-                 flops_per_token: float | None = None):
+                 unwrapped_model=None, extra: dict | None = None, write_state=None, other_models=()):
         self.stage, self.args, self.accelerator = stage, args, accelerator
         self.model, self.optimizer, self.tokenizer = model, optimizer, tokenizer
         # the plain module inside Accelerate's (and torch.compile's) wrappers: what is saved, and what generates
@@ -359,11 +360,13 @@ class StageRun:
         self.files = {}  # {file name: fn(path)}: the stage's own files (e.g. samples.md), written at each save
         self.exit_code = None  # set when Ctrl-C/SIGTERM ended the loop
         self.bad_gradient = None  # the non-finite gradient norm of a step that clip_gradients() held back
-        # tokens are counted over all processes, so the peak they are measured against is that of all their devices
+        # every pass of every model the stage runs, by kind (this process's); the FLOP/s of all processes is read
+        # against the peak of all their devices
+        self.flop_counter = FlopCounter(model, *other_models)
         peak = peak_flops(accelerator.device)
-        self.flops_per_token, self.peak_flops = flops_per_token, peak and peak * accelerator.num_processes
+        self.peak_flops = peak and peak * accelerator.num_processes
         self.started = time.time()
-        self._bar, self._tokens_at, self._time_at = None, 0, time.perf_counter()
+        self._bar, self._tokens_at, self._time_at, self._flops_at = None, 0, time.perf_counter(), 0
         if args.resume:
             self._resume()
 
@@ -386,6 +389,9 @@ class StageRun:
         self.step, self.tokens_seen = trainer["step"], trainer.get("tokens_seen", 0)
         self._tokens_at = self.tokens_seen  # tokens/s counts from here
         self.extra.update({k: trainer[k] for k in self.extra if k in trainer})
+        if self.accelerator.is_main_process:  # the saved run's FLOPs (of all its processes) go on from here
+            self.flop_counter.flops.update(trainer.get("flops", {}))
+        self._flops_at = self.flop_counter.total
         self.metrics = MetricsLog.resume(os.path.join(self.args.output_dir, "metrics.jsonl"), self.step)
         if self.metrics.rows:  # time_s goes on from the saved run's, as tokens_seen does (tokens/s stays true)
             self.started -= self.metrics.rows[-1].get("time_s", 0.0)
@@ -461,16 +467,19 @@ class StageRun:
 
     def log(self, row: dict, show=()) -> dict:
         """Add a metrics row for the current step (``step``, ``lr``, ``tokens_seen`` and ``time_s`` are filled in, and
-        ``flop_s`` / ``mfu`` over the time since the last row when the stage gave ``flops_per_token``) and show the
-        keys ``show``, the tokens per second and the FLOP/s (MFU) since the last row on the bar."""
+        after step 0 ``flop_s`` / ``mfu`` over the time since the last row) and show the keys ``show``, the tokens
+        per second and the FLOP/s (MFU) since the last row on the bar."""
         lr = {"lr": self.learning_rate()} if self.step > 0 else {}
-        now = time.perf_counter()
-        rate = (self.tokens_seen - self._tokens_at) / max(now - self._time_at, 1e-9)
-        speed = utilisation(self.flops_per_token, rate, self.peak_flops) if self.flops_per_token and rate else {}
+        now, flops = time.perf_counter(), self.flop_counter.total
+        seconds = max(now - self._time_at, 1e-9)
+        rate = (self.tokens_seen - self._tokens_at) / seconds
+        # data parallel: each process runs the passes this one counted, on its own share of the batch
+        flop_s = (flops - self._flops_at) * self.accelerator.num_processes / seconds
+        speed = utilisation(flop_s, self.peak_flops) if self.step > 0 and flop_s else {}
         row = self.metrics.add(step=self.step, **row, **lr, tokens_seen=self.tokens_seen,
                                time_s=round(time.time() - self.started, 1), **speed)
         if self._bar is not None and self.step > 0:
-            self._tokens_at, self._time_at = self.tokens_seen, now
+            self._tokens_at, self._time_at, self._flops_at = self.tokens_seen, now, flops
             postfix = {k: (f"{row[k]:.3g}" if isinstance(row[k], float) else row[k]) for k in show if k in row}
             self._bar.set_postfix(**postfix, **({"tok_s": f"{rate:.0f}"} if rate else {}),
                                   **({"flop_s": format_utilisation(speed)} if speed else {}))
@@ -496,17 +505,18 @@ class StageRun:
     def save(self, final: bool) -> None:
         """Write the checkpoint: weights, config (with ``meta``, counters and metrics), tokenizer, metrics.jsonl,
         the stage's ``files``, the curves PNG if ``final``, and otherwise the resumable ``state/``. All processes
-        must call it (the RNG states are gathered)."""
+        must call it (the RNG states and the FLOP counts are gathered)."""
         rng = gather_rng_states(self.accelerator)
+        flops = self.stage_flops(final)
         if self.accelerator.is_main_process:
             files = {"metrics.jsonl": self.metrics.write, **self.files}
             if final:
                 name, keys = self.plot
                 files[name] = lambda path: self.metrics.plot(path, self.stage, keys)
-            counters = {"step": self.step, "tokens_seen": self.tokens_seen, **self.extra}
+            counters = {"step": self.step, "tokens_seen": self.tokens_seen, **self.extra, "flops": flops["flops"]}
             meta = {"stage": self.stage, **self.meta, **counters, "mixed_precision": self.accelerator.mixed_precision,
-                    "device": device_name(self.accelerator.device), "flops_per_token": self.flops_per_token,
-                    "peak_flops": self.peak_flops, "metrics": {**self.latest_val(), **self.results},
+                    "device": device_name(self.accelerator.device), **flops,
+                    "metrics": {**self.latest_val(), **self.results},
                     "command": command_line()}
 
             def write_state(state_dir):
@@ -517,6 +527,21 @@ class StageRun:
             save_checkpoint(self.args.output_dir, self.unwrapped_model, self.tokenizer, meta,
                             None if final else write_state, files)
         self.accelerator.wait_for_everyone()
+
+    def stage_flops(self, final: bool) -> dict:
+        """What ``config.json`` records of the stage's arithmetic: ``flops`` ({kind: FLOPs} of every pass of its
+        models, all processes summed, the resumed runs' included), ``flop_s`` (their sum over the stage's seconds so
+        far), ``peak_flops`` (of all the processes' devices) and, when ``final``, ``matmul_flop_s``
+        (``flops.matmul_flop_s`` measured here, in the stage's autocast dtype: the yardstick of the report card's
+        matmul share); ``flops.speed_record``. All processes must call it."""
+        counted = Counter()
+        for flops in gather_object([dict(self.flop_counter.flops)]):
+            counted.update(flops)
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.accelerator.mixed_precision, torch.float32)
+        self.speed = speed_record(counted, time.time() - self.started, self.accelerator.device,
+                                  dtype if final and self.accelerator.is_main_process else None)
+        self.speed["peak_flops"] = self.peak_flops  # of all the processes' devices
+        return self.speed
 
     def save_before_final_evaluation(self) -> None:
         """Save a resumable state after the last step, before the evaluation that follows it (the test split, the
@@ -539,10 +564,9 @@ class StageRun:
         self.save(final=True)
         cli.interrupt_hint = None  # nothing is left to resume
         seconds = time.time() - self.started
-        speed = ""
-        if self.flops_per_token and self.tokens_seen:  # over the whole stage, evaluations included
-            speed = format_utilisation(utilisation(self.flops_per_token, self.tokens_seen / seconds,
-                                                   self.peak_flops)) + ", "
+        # every pass of the whole stage (evaluations and sampling included) over all its seconds
+        flop_s = self.speed["flop_s"]
+        speed = format_utilisation(utilisation(flop_s, self.peak_flops)) + ", " if flop_s else ""
         self.accelerator.print(f"saved {self.args.output_dir} (step {self.step}, {self.tokens_seen:,} tokens, "
                                f"{speed}{summary + ', ' if summary else ''}{seconds:.0f} s)")
         return 0

@@ -1,9 +1,24 @@
-"""plumbing/flops.py: training FLOPs per token against a count made by hand, and the GPU peak table."""
+"""plumbing/flops.py: the FLOPs of a pass and of training against counts made by hand, the counter that adds them up
+for every pass a stage runs, and the GPU peak table."""
 
 import pytest
+import torch
 
-from gpt_model import GPTModel, get_preset
-from plumbing.flops import bf16_peak, format_utilisation, matmul_parameters, training_flops_per_token, utilisation
+from gpt_fast import generate, speed_up
+from gpt_model import GPTModel, RewardModel, get_preset
+from plumbing.flops import (
+    FlopCounter,
+    bf16_peak,
+    counting_as,
+    format_speed,
+    format_utilisation,
+    matmul_flop_s,
+    matmul_parameters,
+    pass_flops,
+    speed_record,
+    training_flops_per_token,
+    utilisation,
+)
 
 
 def test_flops_of_the_tiny_preset_counted_by_hand():
@@ -45,6 +60,75 @@ def test_the_peak_table_matches_whole_names(name, peak):
 
 
 def test_utilisation_has_a_percentage_only_with_a_peak():
-    assert format_utilisation(utilisation(1e9, 400_000, 989.4e12)) == "400 TFLOP/s (MFU 40.4%)"
-    assert format_utilisation(utilisation(4e6, 5000, None)) == "20 GFLOP/s"
-    assert "mfu" not in utilisation(1.0, 1.0, None)
+    assert format_utilisation(utilisation(4e14, 989.4e12)) == "400 TFLOP/s (MFU 40.4%)"
+    assert format_utilisation(utilisation(2e10, None)) == "20 GFLOP/s"
+    assert "mfu" not in utilisation(1.0, None)
+
+
+def test_a_pass_counted_by_hand():
+    """tiny (N = 701376, of which the head 676096 and the body 25280; L 2, E 32): one row, 3 new tokens after 5
+    cached ones, the head on the last position alone. Matrices 2·(25280·3 + 676096·1) = 1503872; attention
+    4·L·E·T·(past + T) = 4·2·32·3·8 = 6144."""
+    cfg = get_preset("tiny")
+    assert pass_flops(cfg, 1, 3, past=5, head_tokens=1) == 1503872 + 6144
+    assert pass_flops(cfg, 4, 3, past=5, head_tokens=1) == 4 * (1503872 + 6144)
+    # training: backward = the input gradients (the matrices again, attention twice) + the weights' (share x matrices)
+    assert pass_flops(cfg, 1, 3, past=5, head_tokens=1, trained_share=1.0) == 3 * 1503872 + 3 * 6144
+    assert pass_flops(cfg, 1, 3, past=5, head_tokens=1, trained_share=0.0) == 2 * 1503872 + 3 * 6144
+    # a reward model: an (E -> 1) head of 33 parameters on every position
+    assert pass_flops(cfg, 1, 3, lm_head=False) == 2 * (25280 * 3 + 33 * 3) + 4 * 2 * 32 * 3 * 3
+    with pytest.raises(ValueError, match="tokens"):
+        pass_flops(cfg, 1, 0)
+
+
+def test_the_counter_adds_every_pass_by_kind():
+    """Each call of a watched model adds the ``pass_flops`` of its shapes, written here by hand, to its kind."""
+    cfg = get_preset("tiny")
+    torch.manual_seed(0)
+    policy, reward_model = speed_up(GPTModel(cfg)), RewardModel(cfg)
+    counter = FlopCounter(policy, reward_model, None, policy)  # watched twice, counted once; None passed over
+    ids = torch.randint(5, 100, (2, 10))
+    labels = ids.clone()
+    labels[:, :4] = -100  # 12 of 20 positions go through the head
+    policy(ids, labels=labels)["loss"].backward()
+    assert counter.flops == {"train": pass_flops(cfg, 2, 10, head_tokens=6, trained_share=1.0)}
+    with torch.no_grad():
+        policy(ids, logits_to_keep=3)  # a reference's log-probs of the last 3 positions
+        reward_model(ids)
+    assert counter.flops["forward"] == pass_flops(cfg, 2, 10, head_tokens=3) + pass_flops(cfg, 2, 10, lm_head=False)
+    generate(policy, ids, 4, cfg.context_length, eos_id=None)  # a prefill, then 3 steps against 10, 11, 12 keys
+    sampled = pass_flops(cfg, 2, 10, head_tokens=1) + sum(pass_flops(cfg, 2, 1, past) for past in (10, 11, 12))
+    assert counter.flops["sample"] == sampled
+    with counting_as("held_out"), torch.no_grad():
+        policy(ids)
+    assert counter.flops["held_out"] == pass_flops(cfg, 2, 10)
+    assert counter.total == sum(counter.flops.values())
+
+
+def test_frozen_weights_get_no_weight_gradients_counted():
+    """With only the final norm training (as LoRA trains its adapters alone), the backward pass counts the input
+    gradients and that share's weight gradients."""
+    cfg = get_preset("tiny")
+    model = GPTModel(cfg)
+    model.requires_grad_(False)
+    model.final_norm.requires_grad_(True)
+    share = 2 * cfg.emb_dim / sum(p.numel() for p in model.parameters())
+    counter = FlopCounter(model)
+    ids = torch.randint(5, 100, (1, 8))
+    model(ids, labels=ids)["loss"].backward()
+    assert counter.flops == {"train": pass_flops(cfg, 1, 8, trained_share=share)}
+
+
+def test_the_matmul_yardstick_is_a_rate():
+    assert 0 < matmul_flop_s(torch.device("cpu"), size=64, repeats=2) < float("inf")
+
+
+def test_a_speed_record_and_its_cell():
+    """2e10 FLOPs in 2 s on a CPU are 10 GFLOP/s; against a 40 GFLOP/s product, a quarter; with a peak, the MFU."""
+    record = speed_record({"train": 1.5e10, "sample": 0.5e10}, 2.0, torch.device("cpu"))
+    assert record == {"flops": {"sample": 0.5e10, "train": 1.5e10}, "flop_s": 1e10}
+    assert format_speed({**record, "matmul_flop_s": 4e10, "peak_flops": None}) == "10 GFLOP/s (25% of a matmul)"
+    assert format_speed({**record, "matmul_flop_s": 4e10, "peak_flops": 1e12}) == "10 GFLOP/s (MFU 1.0%)"
+    assert format_speed({}) == "—"
+    measured = speed_record({"train": 1}, 1.0, torch.device("cpu"), torch.float32)
+    assert measured["matmul_flop_s"] > 0 and measured["peak_flops"] is None

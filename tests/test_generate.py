@@ -256,7 +256,9 @@ def test_best_of_n_monitors(capsys, tmp_path, ckpts):
     scores = [float(line.split("score ")[1].split()[0]) for line in err.splitlines() if " sample " in line]
     per_prompt = [scores[:4], scores[4:]]  # (prompt, sample) in the order they were drawn
     m = json.loads(monitors.read_text(encoding="utf-8"))
-    assert sorted(m) == ["1", "2", "4"]
+    assert sorted(m) == ["1", "2", "4", "speed"]
+    # the run's arithmetic: the sampling and the RM's scores of the answers, each counted apart
+    assert sorted(m["speed"]["flops"]) == ["forward", "sample"] and m["speed"]["matmul_flop_s"] > 0
     assert m["4"]["rm_score"] == pytest.approx(sum(r["score"] for r in rows) / 2)
     for k in (1, 2, 4):
         assert m[str(k)]["rm_score"] == pytest.approx(sum(max(p[:k]) for p in per_prompt) / 2, abs=1e-4)

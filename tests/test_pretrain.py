@@ -15,6 +15,7 @@ from gpt_model import GPTModel, get_preset
 from plumbing.batching import BatchSchedule
 from plumbing.cli import UserError
 from plumbing.documents import load_text_documents
+from plumbing.flops import training_flops_per_token
 from plumbing.optimizers import lr_at, make_optimizer
 from plumbing.token_cache import PackedBlocks
 
@@ -384,6 +385,13 @@ def test_resume_is_bit_identical_to_a_straight_run(tmp_path, tiny_corpus):
     assert strip(rows_a) == strip(rows_b)
     times = [json.loads(r)["time_s"] for r in rows_b]  # the clock goes on across the resume, as tokens_seen does
     assert times == sorted(times)
+    # the FLOPs go on across the resume too, none counted twice: training is 6N + 12·L·E·T per token read (every
+    # position of a packed block is predicted), evaluation and the samples are counted apart
+    config_a, config_b = (json.loads((d / "config.json").read_text(encoding="utf-8")) for d in (straight, resumed))
+    assert config_a["flops"] == config_b["flops"] and config_a["flops"]["forward"] > 0
+    cfg = get_preset("tiny")
+    assert config_a["flops"]["train"] == config_a["tokens_seen"] * training_flops_per_token(cfg, cfg.context_length)
+    assert config_a["flop_s"] > 0 and config_a["matmul_flop_s"] > 0
 
 
 @pytest.mark.slow
@@ -422,8 +430,10 @@ def test_two_processes_follow_the_one_process_loss_curve(tmp_path, tiny_corpus):
     for (a, va), (b, vb) in zip(losses(one), losses(two)):
         assert a == pytest.approx(b, abs=1e-4)
         assert (va is None) == (vb is None) and (va is None or va == pytest.approx(vb, abs=1e-4))
-    # the global batch really spans both processes
+    # the global batch really spans both processes, and so do the training FLOPs: each counts its half
     assert [r["tokens_seen"] for r in rows(one)] == [r["tokens_seen"] for r in rows(two)]
+    flops = [json.loads((d / "config.json").read_text(encoding="utf-8"))["flops"]["train"] for d in (one, two)]
+    assert flops[0] == flops[1]
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no temporary directories left
 
 
