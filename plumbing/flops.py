@@ -56,10 +56,10 @@ def matmul_parameters(cfg: GPTConfig, lm_head: bool = True) -> int:
     return cfg.n_layers * (attention + mlp + 2 * norm) + norm + head
 
 
-def pass_flops(cfg: GPTConfig, rows: int, tokens: int, past: int = 0, head_tokens: int | None = None,
-               lm_head: bool = True, trained_share: float | None = None) -> int:
+def pass_flops(cfg: GPTConfig, rows: int, tokens: int, past: int = 0, head_tokens: float | None = None,
+               lm_head: bool = True, trained_share: float | None = None, attention_mask=None) -> int:
     """FLOPs of one call of a model: ``rows`` sequences of ``tokens`` new positions each, after ``past`` positions
-    read from a KV cache, with the head on ``head_tokens`` positions per row (default ``tokens``: all of them).
+    read from a KV cache, with the head on ``head_tokens`` positions per row (default: every new position).
 
     Forward, per row: 2 FLOPs per parameter and token through the blocks and the final norm, 2 per head parameter
     and head position (V·E for ``lm_head``, else a (E -> 1) ``ScalarHead``'s E + 1), and 4·L·E·(past + tokens) per
@@ -69,18 +69,28 @@ def pass_flops(cfg: GPTConfig, rows: int, tokens: int, past: int = 0, head_token
     matrices, twice its attention) and the weight gradients of the trained share. One full training pass is
     thus 3x the forward pass, ``training_flops_per_token``'s 6N + 12·L·H·Q·T per token.
 
+    With ``attention_mask`` (rows, past + tokens; 1 = a real token) only real tokens count, as model FLOPs do: a row
+    of n real new tokens among k real keys is n tokens through the matrices and n·k query-key pairs; padding is work
+    the hardware does but not the model's.
+
     Raises ``ValueError`` for ``tokens`` < 1.
     """
     if tokens < 1:
         raise ValueError(f"tokens must be >= 1, got {tokens}")
     head = cfg.vocab_size * cfg.emb_dim if lm_head else cfg.emb_dim + 1
     body = matmul_parameters(cfg, lm_head) - head  # the blocks and the final norm
-    head_tokens = tokens if head_tokens is None else head_tokens
-    matrices = 2 * (body * tokens + head * head_tokens)
-    attention = 4 * cfg.n_layers * cfg.emb_dim * tokens * (past + tokens)
+    if attention_mask is None:
+        new, pairs = rows * tokens, rows * tokens * (past + tokens)
+    else:
+        real = attention_mask.sum(dim=1).double()  # (rows,) real keys
+        real_new = attention_mask[:, -tokens:].sum(dim=1).double()  # (rows,) real new tokens
+        new, pairs = real_new.sum().item(), (real_new * real).sum().item()
+    head_positions = new if head_tokens is None else rows * head_tokens
+    matrices = 2 * (body * new + head * head_positions)
+    attention = 4 * cfg.n_layers * cfg.emb_dim * pairs
     if trained_share is not None:
         matrices, attention = matrices * (2 + trained_share), 3 * attention
-    return round(rows * (matrices + attention))
+    return round(matrices + attention)
 
 
 def training_flops_per_token(cfg: GPTConfig, seq_len: int, lm_head: bool = True) -> int:
@@ -119,8 +129,9 @@ class FlopCounter:
     * "forward": any other pass: reference and old log-probs, reward and critic scores, evaluation;
     * the kind of the innermost ``counting_as`` around the pass, whatever it is.
 
-    What is counted is what the call asks of the model: the head on the positions it keeps (``logits_to_keep``) or
-    labels (``labels`` other than -100), attention over the cached keys too; padded positions count like others.
+    What is counted is the model's work the call asks for: the real tokens of ``attention_mask`` (padding is not
+    counted), the head on the positions it keeps (``logits_to_keep``) or scores (``labels`` or ``logprobs_of`` other
+    than -100), attention over the cached keys too.
     The hook reads ``input_ids`` (first) and the options by keyword, as every caller in this project passes them.
     """
 
@@ -149,9 +160,12 @@ class FlopCounter:
     @torch.compiler.disable
     def _count(self, module, args, kwargs, output) -> None:
         rows, tokens = (args[0] if args else kwargs["input_ids"]).shape
-        cache, labels, keep = kwargs.get("past_key_values"), kwargs.get("labels"), kwargs.get("logits_to_keep") or 0
+        mask = args[1] if len(args) > 1 else kwargs.get("attention_mask")  # (B, past + T) or None
+        cache, keep = kwargs.get("past_key_values"), kwargs.get("logits_to_keep") or 0
+        labels = kwargs.get("labels")  # the positions whose ids go through the head
+        labels = kwargs.get("logprobs_of") if labels is None else labels
         past = cache.length - tokens if cache is not None else 0  # the hook runs after the pass filled the cache
-        head = (int((labels != -100).sum()) / rows if labels is not None else min(keep or tokens, tokens))
+        head = (int((labels != -100).sum()) / rows if labels is not None else min(keep, tokens) if keep else None)
         trains = torch.is_grad_enabled() and any(isinstance(v, torch.Tensor) and v.requires_grad
                                                  for v in output.values())
         share = None
@@ -161,7 +175,7 @@ class FlopCounter:
         sampling = bool(kwargs.get("use_cache")) or cache is not None or keep == 1
         kind = _KINDS[-1] if _KINDS else "train" if trains else "sample" if sampling else "forward"
         lm_head = isinstance(module, GPTModel)
-        self.flops[kind] += pass_flops(module.cfg, rows, tokens, past, head if lm_head else None, lm_head, share)
+        self.flops[kind] += pass_flops(module.cfg, rows, tokens, past, head if lm_head else None, lm_head, share, mask)
 
 
 def matmul_flop_s(device: torch.device, dtype: torch.dtype = torch.float32, size: int | None = None,

@@ -77,6 +77,13 @@ def test_a_pass_counted_by_hand():
     assert pass_flops(cfg, 1, 3, past=5, head_tokens=1, trained_share=0.0) == 2 * 1503872 + 3 * 6144
     # a reward model: an (E -> 1) head of 33 parameters on every position
     assert pass_flops(cfg, 1, 3, lm_head=False) == 2 * (25280 * 3 + 33 * 3) + 4 * 2 * 32 * 3 * 3
+    # padding is not the model's work: a row of 3 real tokens after 2 pads and a full row of 5 are 8 tokens through
+    # the matrices and the head, and 3·3 + 5·5 = 34 query-key pairs
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    assert pass_flops(cfg, 2, 5, attention_mask=mask) == 2 * (25280 * 8 + 676096 * 8) + 4 * 2 * 32 * 34
+    # one decoding step of those rows: 1 new token each, against 4 and 6 real keys
+    step = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])
+    assert pass_flops(cfg, 2, 1, 5, head_tokens=1, attention_mask=step) == 2 * (25280 + 676096) * 2 + 4 * 2 * 32 * 10
     with pytest.raises(ValueError, match="tokens"):
         pass_flops(cfg, 1, 0)
 
@@ -93,15 +100,18 @@ def test_the_counter_adds_every_pass_by_kind():
     policy(ids, labels=labels)["loss"].backward()
     assert counter.flops == {"train": pass_flops(cfg, 2, 10, head_tokens=6, trained_share=1.0)}
     with torch.no_grad():
-        policy(ids, logits_to_keep=3)  # a reference's log-probs of the last 3 positions
+        policy(ids, logits_to_keep=3)  # the logits of the last 3 positions
+        policy(ids, logprobs_of=labels[:, 2:8])  # a reference's log-probs of 6 ids per row, 2 of them -100
         reward_model(ids)
-    assert counter.flops["forward"] == pass_flops(cfg, 2, 10, head_tokens=3) + pass_flops(cfg, 2, 10, lm_head=False)
+    assert counter.flops["forward"] == (pass_flops(cfg, 2, 10, head_tokens=3) + pass_flops(cfg, 2, 10, head_tokens=4)
+                                        + pass_flops(cfg, 2, 10, lm_head=False))
     generate(policy, ids, 4, cfg.context_length, eos_id=None)  # a prefill, then 3 steps against 10, 11, 12 keys
     sampled = pass_flops(cfg, 2, 10, head_tokens=1) + sum(pass_flops(cfg, 2, 1, past) for past in (10, 11, 12))
     assert counter.flops["sample"] == sampled
     with counting_as("held_out"), torch.no_grad():
         policy(ids)
-    assert counter.flops["held_out"] == pass_flops(cfg, 2, 10)
+        reward_model(ids, (torch.arange(10) >= 3).long().expand(2, 10))  # left-padded: 7 real tokens a row
+    assert counter.flops["held_out"] == pass_flops(cfg, 2, 10) + pass_flops(cfg, 2, 7, lm_head=False)
     assert counter.total == sum(counter.flops.values())
 
 
