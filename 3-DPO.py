@@ -44,6 +44,7 @@ from plumbing.judge import SentimentJudge
 from plumbing.optimizers import lr_at, make_optimizer, set_lr
 from plumbing.records import read_preference_pairs
 from plumbing.reward import pairs_ranked_right
+from plumbing.rollouts import sequence_logprobs
 from plumbing.training import StageRun, make_accelerator
 
 # Run length and optimisation per preset; every value can be overridden on the command line. The model comes from
@@ -95,7 +96,7 @@ def dpo_loss(policy_chosen, policy_rejected, ref_chosen, ref_rejected, beta: flo
 
     Args:
         policy_chosen, policy_rejected, ref_chosen, ref_rejected: (b,) sequence log-probs of the chosen and
-            rejected responses under the policy and the frozen reference (``pair_logprobs``).
+            rejected responses under the policy and the frozen reference (``rollouts.sequence_logprobs``).
         beta: the KL coefficient of the RLHF objective that DPO solves in closed form.
         loss_type: "sigmoid" (Rafailov et al. 2023) or "ipo" (Azar et al. 2023, which regresses the log-ratio
             margin to 1 / (2 beta) instead of pushing it to infinity).
@@ -173,9 +174,8 @@ def collate_pairs(items) -> dict:
 
 def pair_logprobs(model, batch):
     """(chosen, rejected) response log-probs, each (b,), of a ``collate_pairs`` batch under ``model``."""
-    # position t predicts labels[:, t], -100 on the prompt and the padding
-    out = model(batch["input_ids"], attention_mask=batch["attention_mask"], logprobs_of=batch["labels"])
-    return out["logprobs"].sum(dim=1).chunk(2)  # (b,), (b,): log pi(response | prompt), the sum over its tokens
+    logits = model(batch["input_ids"], attention_mask=batch["attention_mask"])["logits"]  # (2b, T, V)
+    return sequence_logprobs(logits, batch["labels"]).chunk(2)  # (b,), (b,)
 
 
 @torch.no_grad()

@@ -57,7 +57,7 @@ from plumbing.cli import (
 )
 from plumbing.judge import KL_LIMIT
 from plumbing.optimizers import lr_at, make_optimizer, set_lr
-from plumbing.rollouts import masked_mean, penalise_unfinished
+from plumbing.rollouts import masked_mean, penalise_unfinished, token_logprobs
 from plumbing.training import StageRun, make_accelerator, mean_over_processes
 
 DEFAULT_TARGET_KL = KL_LIMIT  # nats per response: the KL controller's target, and the flag's budget when beta is fixed
@@ -177,17 +177,16 @@ def adaptive_kl_coef(beta: float, kl: float, target: float, samples: int, horizo
 
 class PolicyAndCritic(nn.Module):
     """The two trained networks in one module, so one optimizer, one Accelerate wrapper and one training state
-    cover both. ``forward(input_ids, attention_mask, logprobs_of)`` -> {"logprobs": (B, k) the policy's
-    log-probs of ``logprobs_of`` (B, k), the next tokens of the last k positions (``GPTModel.token_logprobs``),
-    "values": (B, T) the critic's}."""
+    cover both. ``forward`` -> {"logits": (B, T, V) policy (or (B, k, V), the last k positions, with
+    ``logits_to_keep``), "values": (B, T) critic}."""
 
     def __init__(self, policy, critic):
         super().__init__()
         self.policy, self.critic = policy, critic
 
-    def forward(self, input_ids, attention_mask, logprobs_of):
-        logprobs = self.policy(input_ids, attention_mask=attention_mask, logprobs_of=logprobs_of)["logprobs"]
-        return {"logprobs": logprobs, "values": self.critic(input_ids, attention_mask)["values"]}
+    def forward(self, input_ids, attention_mask, logits_to_keep: int = 0):
+        logits = self.policy(input_ids, attention_mask=attention_mask, logits_to_keep=logits_to_keep)["logits"]
+        return {"logits": logits, "values": self.critic(input_ids, attention_mask)["values"]}
 
 
 # panels of curves.png: a tuple puts the rollouts' value and the held-out one (val_*) in one panel
@@ -220,17 +219,19 @@ def ppo_update(model, optimizer, stage, data, advantages, returns, args) -> dict
     policy. Returns the ``PPO_STATS`` averaged over the minibatches that ran, and ``ppo_epochs``, the passes run."""
     accelerator = stage.accelerator
     mask, P, n = data["response_mask"], data["prompt_len"], len(data["input_ids"])
+    R = data["input_ids"].shape[1] - P
     stats = []  # one row per minibatch, PPO_STATS in order
     for epoch in range(1, args.ppo_epochs + 1):  # noqa: B007 (read after the loop: the passes run)
         order = torch.randperm(n)
         for start in range(0, n, args.batch_size):
             idx = order[start:start + args.batch_size].to(accelerator.device)
             with stage.accumulate():
-                # the sequence but its last token reads, each response token is scored at the position before it
-                out = model(data["input_ids"][idx, :-1], data["attention_mask"][idx, :-1], data["input_ids"][idx, P:])
-                values = out["values"][:, P - 1:].float()  # (b, R): the value before each response token
+                out = model(data["input_ids"][idx], data["attention_mask"][idx], logits_to_keep=R + 1)
+                logits = out["logits"][:, :-1]  # (b, R, V): the head reads the response positions only
+                logprobs = token_logprobs(logits, data["input_ids"][idx, P:])  # (b, R)
+                values = out["values"][:, P - 1:-1].float()  # (b, R)
                 policy_loss, value_loss, clip_fraction, approx_kl = ppo_losses(
-                    out["logprobs"], data["logprobs"][idx], advantages[idx], values, data["values"][idx], returns[idx],
+                    logprobs, data["logprobs"][idx], advantages[idx], values, data["values"][idx], returns[idx],
                     mask[idx], args.cliprange, args.cliprange_value)
                 accelerator.backward(policy_loss + args.vf_coef * value_loss)
             if stage.clip_gradients():  # to --max_grad_norm; False: a non-finite gradient, never applied

@@ -35,7 +35,6 @@ from gpt_model import (
     MultiHeadAttention,
     check_generate_args,
     check_labels,
-    check_logprob_ids,
     next_token,
     unwrap_compiled,
 )
@@ -108,16 +107,11 @@ class FastMultiHeadAttention(MultiHeadAttention):
 
 
 class FastGPTModel(GPTModel):
-    """``GPTModel`` whose loss is ``chunked_next_token_loss`` and whose ``token_logprobs`` is
-    ``chunked_token_logprobs``: the same values as the lesson's, without the (B, T, V) logits in memory. Made by
-    ``speed_up``, never built directly."""
+    """``GPTModel`` whose loss is ``chunked_next_token_loss``: the same value as the lesson's ``next_token_loss``
+    of the head's logits, without the (B, T, V) logits in memory. Made by ``speed_up``, never built directly."""
 
     def loss(self, last_hidden_state, labels):  # (B, T, E), (B, T) -> float32 scalar
         return chunked_next_token_loss(last_hidden_state, self.out_head.weight, labels)
-
-    def token_logprobs(self, last_hidden_state, token_ids):  # (B, T, E), (B, k) -> (B, k), (B, k)
-        k = check_logprob_ids(token_ids, last_hidden_state.shape)
-        return chunked_token_logprobs(last_hidden_state[:, -k:], self.out_head.weight, token_ids)
 
 
 def speed_up(*models: nn.Module):
@@ -260,101 +254,6 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         grad_hidden, grad_weight = ctx.saved_tensors
         return (grad_hidden * grad_output.to(grad_hidden.dtype), (grad_weight * grad_output).to(ctx.weight_dtype),
                 None, None, None)
-
-
-def chunked_token_logprobs(hidden, weight, token_ids, chunk_rows: int | None = None):
-    """``GPTModel.token_logprobs`` without ever holding the (N, V) logits: log softmax(hidden @ weight.T)[token] and
-    the entropy of that softmax, a chunk of rows at a time.
-
-    Args:
-        hidden: (B, k, E) final-normed hidden states of the positions that predict ``token_ids``.
-        weight: (V, E) output head weight (``out_head.weight``).
-        token_ids: (B, k) ids to score; -100 is skipped (0 in both outputs, and never goes through the head).
-        chunk_rows: at most this many rows of logits at a time (as ``chunked_next_token_loss``).
-    Returns:
-        (log-probs, entropy), both (B, k) float32; the entropy carries no gradient.
-
-    Each chunk's logits are made, reduced to their log-sum-exp and the picked logit, and dropped. With gradients on,
-    the backward pass makes each chunk's logits again from the saved hidden states (one more product with the head,
-    the cost of never storing them) and multiplies d logp / d logits = one_hot - softmax, scaled by the incoming
-    gradient, into the gradients of ``hidden`` and ``weight``: what TRL's ``selective_log_softmax`` saves in memory,
-    without the logits. Under autocast the products run in the autocast dtype, the rest in float32, as the lesson's
-    ``out_head`` + float32 log-softmax do. Equal to the lesson within float32 rounding of a sum over the vocabulary.
-    """
-    flat_hidden, flat_ids = hidden.reshape(-1, hidden.shape[-1]), token_ids.reshape(-1)  # (N, E), (N,)
-    rows = (flat_ids != -100).nonzero().squeeze(1)  # (n,) the positions scored
-    chunk_rows = chunk_rows or max(1, (1 << (27 if hidden.is_cuda else 23)) // weight.shape[0])
-    device = hidden.device.type
-    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else weight.dtype
-    if torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad):
-        logprobs, entropy = _ChunkedTokenLogprobs.apply(flat_hidden, weight, flat_ids, rows, chunk_rows, dtype)
-    else:
-        logprobs, entropy, _ = _chunked_logprobs(flat_hidden, weight, flat_ids, rows, chunk_rows, dtype)
-    return logprobs.view(token_ids.shape), entropy.view(token_ids.shape)
-
-
-def _chunks(rows, chunk_rows):
-    """``rows`` (n,) cut into equal chunks of at most ``chunk_rows``: (start, rows of the chunk) each."""
-    count = rows.numel()
-    size = max(1, -(-count // max(-(-count // chunk_rows), 1)))  # equal chunks: a small last one wastes a pass over w
-    return [(start, rows[start:start + size]) for start in range(0, count, size)]
-
-
-def _chunked_logprobs(flat_hidden, weight, flat_ids, rows, chunk_rows, dtype):
-    """The forward chunk loop of ``chunked_token_logprobs``: (log-probs (N,), entropy (N,), log-sum-exp of the
-    scored rows (n,)), float32, without gradient."""
-    n_all = flat_ids.numel()
-    logprobs = torch.zeros(n_all, dtype=torch.float32, device=flat_hidden.device)  # (N,)
-    entropy = torch.zeros_like(logprobs)  # (N,)
-    lse = torch.empty(rows.numel(), dtype=torch.float32, device=flat_hidden.device)  # (n,)
-    with torch.no_grad(), torch.autocast(flat_hidden.device.type, enabled=False):
-        w = weight.to(dtype)  # (V, E) one cast for all chunks
-        for start, at in _chunks(rows, chunk_rows):
-            x = (flat_hidden[at].to(dtype) @ w.t()).float()  # (c, V) logits
-            peak = x.amax(dim=1, keepdim=True)  # (c, 1)
-            x -= peak  # shifted: the largest is 0, so exp cannot overflow
-            e = x.exp()  # (c, V) unnormalised softmax
-            norm = e.sum(dim=1)  # (c,)
-            log_norm = norm.log()
-            logprobs[at] = x.gather(1, flat_ids[at][:, None]).squeeze(1) - log_norm
-            entropy[at] = log_norm - (e * x).sum(dim=1) / norm  # -sum p log p, p = e / norm
-            lse[start:start + at.numel()] = peak.squeeze(1) + log_norm  # log-sum-exp, for the backward pass
-    return logprobs, entropy, lse
-
-
-class _ChunkedTokenLogprobs(torch.autograd.Function):
-    """Autograd wrapper of ``_chunked_logprobs``: the backward pass recomputes each chunk's logits."""
-
-    @staticmethod
-    def forward(ctx, flat_hidden, weight, flat_ids, rows, chunk_rows, dtype):
-        logprobs, entropy, lse = _chunked_logprobs(flat_hidden, weight, flat_ids, rows, chunk_rows, dtype)
-        ctx.save_for_backward(flat_hidden, weight, flat_ids, rows, lse)
-        ctx.chunk_rows, ctx.dtype = chunk_rows, dtype
-        ctx.mark_non_differentiable(entropy)
-        return logprobs, entropy
-
-    @staticmethod
-    def backward(ctx, grad_logprobs, _grad_entropy):
-        flat_hidden, weight, flat_ids, rows, lse = ctx.saved_tensors
-        dtype = ctx.dtype
-        grad_hidden = torch.zeros_like(flat_hidden)  # (N, E)
-        sum_dtype = torch.promote_types(weight.dtype, torch.float32)  # bf16 weights still sum their gradient in fp32
-        grad_weight = torch.zeros(weight.shape, dtype=sum_dtype, device=weight.device)  # (V, E)
-        with torch.autocast(flat_hidden.device.type, enabled=False):
-            w = weight.to(dtype)
-            for start, at in _chunks(rows, ctx.chunk_rows):
-                h = flat_hidden[at].to(dtype)  # (c, E)
-                g = grad_logprobs[at].float()[:, None]  # (c, 1)
-                # d logp / d logits = one_hot - softmax, times the incoming gradient
-                grad = (h @ w.t()).float().sub_(lse[start:start + at.numel(), None]).exp_().mul_(-g)  # (c, V)
-                grad.scatter_add_(1, flat_ids[at][:, None], g)
-                grad = grad.to(dtype)
-                grad_hidden[at] = (grad @ w).to(grad_hidden.dtype)  # (c, E)
-                if dtype == sum_dtype:
-                    grad_weight.addmm_(grad.t(), h)  # (V, E)
-                else:
-                    grad_weight += grad.t() @ h  # (V, E) each chunk's bf16 product summed in float32
-        return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None
 
 
 def repeat_rows(cache: KVCache, k: int) -> None:

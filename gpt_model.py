@@ -322,8 +322,7 @@ class GPTModel(nn.Module):
     ``forward(input_ids, attention_mask=None, past_key_values=None, use_cache=False)`` returns a dict with
     ``"logits"`` (B, T, V) and ``"last_hidden_state"`` (B, T, E), plus ``"past_key_values"`` (a ``KVCache``) when
     ``use_cache`` is set. Given ``labels`` (B, T), already shifted as in ``next_token_loss``, it returns
-    ``"loss"`` (the mean next-token cross-entropy, ``loss``) instead of ``"logits"``; given ``logprobs_of`` (B, k),
-    ids to score, ``"logprobs"`` and ``"entropy"`` (``token_logprobs``) instead.
+    ``"loss"`` (the mean next-token cross-entropy, ``loss``) instead of ``"logits"``.
 
     ``attention_mask`` (B, T_past + T) marks real tokens with 1 and padding with 0, left or right. Positions are
     counted from each row's first real token, so a padded row gives the same outputs at its real positions as the
@@ -400,21 +399,18 @@ class GPTModel(nn.Module):
         return self.final_norm(x), cache  # (B, T, E)
 
     def forward(self, input_ids, attention_mask=None, past_key_values: KVCache | None = None, use_cache=False,
-                labels=None, logits_to_keep: int = 0, logprobs_of=None):
+                labels=None, logits_to_keep: int = 0):
         """(B, T) ids -> {"logits": (B, T, V), "last_hidden_state": (B, T, E)}; with ``labels`` (B, T) "loss"
-        replaces "logits"; with ``logprobs_of`` (B, k) "logprobs" and "entropy" (B, k) replace them
-        (``token_logprobs``); with ``use_cache`` "past_key_values" is added; with ``logits_to_keep`` k > 0 the logits
+        replaces "logits"; with ``use_cache`` "past_key_values" is added; with ``logits_to_keep`` k > 0 the logits
         are those of the last k positions only, (B, k, V) (``transformers``' name: the head is the costliest layer
         of a small model, and a prompt's prefill needs its last position's alone). See the class docstring."""
         last_hidden_state, cache = self.hidden_states(input_ids, attention_mask, past_key_values, use_cache)
         out = {"last_hidden_state": last_hidden_state}
-        if labels is not None:
-            out["loss"] = self.loss(last_hidden_state, labels)
-        elif logprobs_of is not None:
-            out["logprobs"], out["entropy"] = self.token_logprobs(last_hidden_state, logprobs_of)
-        else:
+        if labels is None:
             kept = last_hidden_state[:, -logits_to_keep:] if logits_to_keep else last_hidden_state
             out["logits"] = self.out_head(kept)  # (B, T, V), or (B, k, V)
+        else:
+            out["loss"] = self.loss(last_hidden_state, labels)
         if use_cache:
             out["past_key_values"] = cache
         return out
@@ -423,33 +419,6 @@ class GPTModel(nn.Module):
         """``next_token_loss`` of the head's logits: (B, T, E), (B, T) -> a float32 scalar. (``gpt_fast.speed_up``
         computes the same without holding the (B, T, V) logits.)"""
         return next_token_loss(self.out_head(last_hidden_state), labels)  # (B, T, V) logits -> scalar
-
-    def token_logprobs(self, last_hidden_state, token_ids):
-        """log pi(token) of each of ``token_ids`` (B, k), the next-token ids of the last k positions of
-        ``last_hidden_state`` (B, T, E), already shifted as ``labels`` are (position T - k + j predicts
-        ``token_ids[:, j]``), and the entropy of pi at those positions, without gradient. Both (B, k) float32, 0
-        where an id is -100. A response's log-probs: ``model(sequence[:, :-1], logprobs_of=sequence[:, P:])``.
-
-        In float32 from the head's logits: in bf16 the small differences between two models' log-probs, what KL and
-        PPO's ratios are made of, would be lost. (``gpt_fast.speed_up`` computes the same without holding the
-        (B, k, V) logits.) Raises ``ValueError`` unless 1 <= k <= T."""
-        k = check_logprob_ids(token_ids, last_hidden_state.shape)
-        logp = torch.log_softmax(self.out_head(last_hidden_state[:, -k:]).float(), dim=-1)  # (B, k, V)
-        picked = logp.gather(-1, token_ids.clamp(min=0).unsqueeze(-1)).squeeze(-1)  # (B, k); -100 reads id 0
-        with torch.no_grad():
-            entropy = -(logp.exp() * logp).sum(dim=-1)  # (B, k) nats
-        real = token_ids != -100
-        return torch.where(real, picked, 0.0), torch.where(real, entropy, 0.0)
-
-
-def check_logprob_ids(token_ids, hidden_shape) -> int:
-    """k, for ``token_ids`` (B, k) scored at the last k positions of hidden states ``hidden_shape`` (B, T, E);
-    ``ValueError`` unless the rows match and 1 <= k <= T."""
-    b, t = hidden_shape[:2]
-    if token_ids.dim() != 2 or token_ids.shape[0] != b or not 1 <= token_ids.shape[1] <= t:
-        raise ValueError(f"logprobs_of has shape {tuple(token_ids.shape)}; give (B, k) ids with B = {b} and "
-                         f"1 <= k <= {t}: the next tokens of the last k positions, shifted as labels are")
-    return token_ids.shape[1]
 
 
 def next_token_loss(logits, labels):

@@ -6,8 +6,8 @@ Samples one GRPO iteration's answers (``--prompts_count`` prompts x ``--group_si
 tokens, bf16 autocast where the CPU has it, as the stages run), then times, on the same answers, in one process:
 
 * the measurement of the rollout: the policy's log-probs and entropy and the reference's log-probs, the old way
-  (one pass over every row at full width, ``model(sequences[:, :-1], logprobs_of=sequences[:, P:])``) and the
-  new way (``rollouts.response_logprobs``: rows sorted by length in groups, cut to length);
+  (``response_logits`` over every row at full width, a log-softmax each for the log-probs and the entropy) and the
+  new way (``rollouts.response_logprobs``: rows sorted by length in groups, cut to length, one log-softmax);
 * one update pass: forward and backward of every minibatch of ``--batch_size`` random rows at full width, and cut
   after the minibatch's longest answer (``rollouts.response_columns``): whether the update would gain from cutting
   too (the stages do not cut it: a random minibatch nearly always holds one answer that ran long).
@@ -32,7 +32,14 @@ from plumbing.checkpoint import load_checkpoint
 from plumbing.cli import ArgumentParser, default_path, positive_int, run
 from plumbing.devices import native_bf16
 from plumbing.records import read_prompt_files
-from plumbing.rollouts import response_columns, response_logprobs, sample_responses
+from plumbing.rollouts import (
+    entropy_from_logits,
+    response_columns,
+    response_logits,
+    response_logprobs,
+    sample_responses,
+    token_logprobs,
+)
 
 
 def parse_args(argv=None):
@@ -79,9 +86,10 @@ def main(argv=None):
 
     @torch.no_grad()
     def full_width():
-        out = policy(sequences[:, :-1], attention_mask=attention_mask[:, :-1], logprobs_of=sequences[:, P:])
-        ref_out = ref(sequences[:, :-1], attention_mask=attention_mask[:, :-1], logprobs_of=sequences[:, P:])
-        return out["logprobs"], ref_out["logprobs"], out["entropy"]
+        responses = sequences[:, P:]
+        logits = response_logits(policy, sequences, attention_mask, P)
+        ref_logits = response_logits(ref, sequences, attention_mask, P)
+        return token_logprobs(logits, responses), token_logprobs(ref_logits, responses), entropy_from_logits(logits)
 
     def grouped():
         logprobs, entropy = response_logprobs(policy, sequences, attention_mask, response_mask, P, entropy=True)
@@ -93,8 +101,8 @@ def main(argv=None):
             idx = order[start:start + args.batch_size]
             r = response_columns(response_mask[idx]) if cut else response_mask.shape[1]
             ids = sequences[idx, :P + r]
-            out = policy(ids[:, :-1], attention_mask=attention_mask[idx, :P + r - 1], logprobs_of=ids[:, P:])
-            torch.where(response_mask[idx, :r].bool(), out["logprobs"], 0.0).sum().backward()
+            logp = token_logprobs(response_logits(policy, ids, attention_mask[idx, :P + r], P), ids[:, P:])
+            torch.where(response_mask[idx, :r].bool(), logp, 0.0).sum().backward()
         policy.zero_grad(set_to_none=True)
 
     with autocast:

@@ -1,16 +1,15 @@
 """What the output head costs an RL update: the full-vocabulary log-softmax of the sampled tokens against the chunked
-log-probs that the updates use and the chunked cross-entropy that pretraining uses, on a GRPO minibatch's shape.
+cross-entropy that pretraining uses, on a GRPO minibatch's shape.
 
     .venv/bin/python bench/bench_update_head.py --preset demo --rows 64 --prompt 26 --answer 64
 
 One forward and backward pass of the demo model on ``--rows`` sequences of ``--prompt`` + ``--answer`` tokens, the
-sampled answers' log-probs summed as the loss, four ways with the same body: the lesson's ``GPTModel.token_logprobs``
-(the head on the answer positions, a float32 log-softmax over the 21,128 ids, then the sampled token's entry, as
-the updates computed them before); ``gpt_fast``'s ``chunked_token_logprobs`` (``model(ids, logprobs_of=...)``, what
-the updates run now: chunks of rows, the logits made again in the backward pass, never the (rows x answer x 21,128)
-logits in memory); ``chunked_next_token_loss`` with the sampled tokens as labels (the same FLOPs less that second
-product: a log-prob is minus that cross-entropy, its gradient written during the forward pass); and the body alone
-(no head). Each variant is timed ``--rounds`` times after a warm-up; the median, in ms, on this CPU with its threads.
+way ``3-GRPO.py``'s ``grpo_update`` computes its log-probs: the head on the last answer + 1 positions
+(``logits_to_keep``), ``token_logprobs`` (a float32 log-softmax over the 21,128 ids, then the sampled token's entry)
+and their sum as the loss. Against it, with the same body: the head and cross-entropy of ``gpt_fast``'s
+``chunked_next_token_loss`` with the sampled tokens as labels (the same FLOPs, a log-prob is minus that
+cross-entropy, without the (rows x answer x 21,128) logits in memory), and the body alone (no head). Each variant is
+timed ``--rounds`` times after a warm-up; the median, in ms, on this CPU with its threads.
 """
 
 from __future__ import annotations
@@ -27,6 +26,7 @@ import torch
 from gpt_fast import chunked_next_token_loss, speed_up
 from gpt_model import GPTModel, get_preset
 from plumbing.cli import ArgumentParser, positive_int, run
+from plumbing.rollouts import token_logprobs
 
 
 def parse_args(argv=None):
@@ -49,11 +49,8 @@ def main(argv=None):
     labels[:, args.prompt - 1:-1] = answer  # position P - 1 + j predicts answer token j
 
     def full_vocabulary():
-        hidden = model.hidden_states(ids[:, :-1])[0]  # (b, T - 1, E)
-        (-GPTModel.token_logprobs(model, hidden, answer)[0].sum()).backward()  # the lesson's, on the same model
-
-    def chunked_logprobs():
-        (-model(ids[:, :-1], logprobs_of=answer)["logprobs"].sum()).backward()
+        logits = model(ids, logits_to_keep=args.answer + 1)["logits"][:, :-1]  # (b, R, V)
+        (-token_logprobs(logits, answer).sum()).backward()
 
     def chunked():
         hidden = model.hidden_states(ids)[0]  # (b, T, E)
@@ -64,8 +61,7 @@ def main(argv=None):
 
     print(f"CPU threads {torch.get_num_threads()}; {args.preset}, {args.rows} rows of {args.prompt} + {args.answer} "
           f"tokens, forward and backward, median of {args.rounds}\n\n| variant | ms |\n|---|---|")
-    for name, step in (("full-vocabulary log-softmax (the lesson's token_logprobs)", full_vocabulary),
-                       ("chunked log-probs (chunked_token_logprobs)", chunked_logprobs),
+    for name, step in (("full-vocabulary log-softmax (token_logprobs)", full_vocabulary),
                        ("chunked cross-entropy (chunked_next_token_loss)", chunked), ("the body alone", body_alone)):
         step()
         model.zero_grad()

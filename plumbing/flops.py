@@ -130,8 +130,8 @@ class FlopCounter:
     * the kind of the innermost ``counting_as`` around the pass, whatever it is.
 
     What is counted is the model's work the call asks for: the real tokens of ``attention_mask`` (padding is not
-    counted), the head on the positions it keeps (``logits_to_keep``) or scores (``labels`` or ``logprobs_of`` other
-    than -100), attention over the cached keys too.
+    counted), the head on the positions it keeps (``logits_to_keep``) or predicts (``labels`` other than -100),
+    attention over the cached keys too.
     The hook reads ``input_ids`` (first) and the options by keyword, as every caller in this project passes them.
     """
 
@@ -163,7 +163,6 @@ class FlopCounter:
         mask = args[1] if len(args) > 1 else kwargs.get("attention_mask")  # (B, past + T) or None
         cache, keep = kwargs.get("past_key_values"), kwargs.get("logits_to_keep") or 0
         labels = kwargs.get("labels")  # the positions whose ids go through the head
-        labels = kwargs.get("logprobs_of") if labels is None else labels
         past = cache.length - tokens if cache is not None else 0  # the hook runs after the pass filled the cache
         head = (int((labels != -100).sum()) / rows if labels is not None else min(keep, tokens) if keep else None)
         trains = torch.is_grad_enabled() and any(isinstance(v, torch.Tensor) and v.requires_grad

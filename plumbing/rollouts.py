@@ -1,9 +1,9 @@
 """A policy's responses, sampled and measured: what every online aligner (3-PPO.py, 3-GRPO.py) and every
 measurement of answers (the held-out monitors, the verifiable tasks) does with them, written once.
 
-* log-probabilities (each the model's own ``model(ids, logprobs_of=...)``, ``GPTModel.token_logprobs``):
-  ``response_logprobs`` (a rollout's, measured in groups of rows cut to their length), ``masked_mean``,
-  ``kl_per_response``;
+* log-probabilities: ``token_logprobs`` of given tokens, ``sequence_logprobs`` of a labelled response (DPO),
+  ``response_logits`` (the head on the response positions only), ``response_logprobs`` (a rollout's, measured in
+  groups of rows cut to their length), ``masked_mean``, ``entropy_from_logits``, ``kl_per_response``;
 * sampling: ``sample_responses`` (batched, left-padded prompts through the chat template and the KV-cached
   ``generate``, k answers to each prompt from one reading of it), ``response_mask_after``,
   ``response_token_lists``, ``rollout`` (the samples and their log-probabilities: everything an update needs
@@ -22,10 +22,41 @@ from gpt_fast import generate
 from plumbing.batching import pad_left
 
 
+def token_logprobs(logits, tokens):
+    """log softmax(logits)[token]: (B, T, V), (B, T) -> (B, T), in float32 (bf16 logits would lose the small
+    differences between policy and reference that KL and the ratios are made of)."""
+    return torch.log_softmax(logits.float(), dim=-1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def sequence_logprobs(logits, labels):
+    """log pi(response | prompt) per row: the sum of ``token_logprobs`` over the positions whose label is not -100.
+
+    Args:
+        logits: (B, T, V), position t predicting ``labels[:, t]`` (labels already shifted, as
+            ``batching.chat_example`` makes them).
+        labels: (B, T) next-token ids, -100 on the prompt and on padding.
+    Returns:
+        (B,) float32 log-probabilities, in nats.
+    """
+    keep = labels != -100  # (B, T)
+    logp = token_logprobs(logits, labels.clamp(min=0))  # (B, T); ignored positions read id 0, then drop out
+    return torch.where(keep, logp, 0.0).sum(dim=1)  # (B,); a select, so a non-finite ignored value cannot leak
+
+
 def masked_mean(x, mask):
     """Mean of ``x`` over positions where ``mask`` is 1 (a scalar). The other positions are set aside with a select,
     not multiplied by 0: an inf or NaN there (a padded position's ratio) would make ``inf * 0 = NaN`` of the mean."""
     return torch.where(mask.bool(), x, 0.0).sum() / mask.sum().clamp(min=1)
+
+
+def entropy_from_logits(logits):
+    """Entropy of softmax(logits) per position: (B, T, V) -> (B, T), in nats."""
+    return entropy_of(torch.log_softmax(logits.float(), dim=-1))
+
+
+def entropy_of(logp):
+    """Entropy per position from log-probabilities already computed: (B, T, V) -> (B, T), in nats."""
+    return -(logp.exp() * logp).sum(-1)
 
 
 def kl_per_response(logprobs, ref_logprobs, mask):
@@ -77,6 +108,14 @@ def sample_responses(policy, prompts, tokenizer, args, context_length, device, s
     return sequences, torch.cat([query_mask, response_mask], dim=1), response_mask, P
 
 
+def response_logits(model, sequences, attention_mask, prompt_len: int):
+    """The logits that predict the response tokens of ``sequences`` (B, P+R): (B, R, V), position P - 1 + j
+    predicting response token j. Only the last R + 1 positions go through the output head (the costliest layer
+    of a small model), the last of them dropped: it would predict past the sequence."""
+    R = sequences.shape[1] - prompt_len
+    return model(sequences, attention_mask=attention_mask, logits_to_keep=R + 1)["logits"][:, :-1]  # (B, R, V)
+
+
 def response_columns(response_mask) -> int:
     """How many response columns hold a real token in some row of ``response_mask`` (B, R) (at least 1). The
     columns after them are padding in every row: a forward pass may leave them out, and under causal attention
@@ -96,23 +135,26 @@ def response_logprobs(model, sequences, attention_mask, response_mask, prompt_le
 
     The rows go through the model in groups of ``MEASURE_ROWS`` sorted by response length, each group cut after its
     longest response (``response_columns``): a batch of 128 answers whose longest runs to the token limit but whose
-    mean is 40% of it costs about 40% of the full-width pass. Within a group, the positions after each response's
-    end are not scored (``logprobs_of`` -100). Equal, at the real positions, to ``model(sequences[:, :-1],
-    logprobs_of=sequences[:, P:])`` on the whole batch.
+    mean is 40% of it costs about 40% of the full-width pass, in time and in memory. One log-softmax serves both
+    figures. Equal, at the real positions, to ``token_logprobs(response_logits(...))`` on the whole batch.
     """
     B, R = response_mask.shape
+    lengths = response_mask.sum(dim=1)  # (B,)
     logprobs = torch.zeros(B, R, device=sequences.device)  # (B, R)
-    entropies = torch.zeros(B, R, device=sequences.device)  # (B, R)
-    order = response_mask.sum(dim=1).argsort()  # by length
+    entropies = torch.zeros(B, R, device=sequences.device) if entropy else None
+    order = lengths.argsort()
     for start in range(0, B, MEASURE_ROWS):
         rows = order[start:start + MEASURE_ROWS]
         r = response_columns(response_mask[rows])
         ids = sequences[rows, :prompt_len + r]  # (b, P + r)
-        scored = ids[:, prompt_len:].masked_fill(response_mask[rows, :r] == 0, -100)  # (b, r)
-        # the last token is read by no one: each response token is scored at the position before it
-        out = model(ids[:, :-1], attention_mask=attention_mask[rows, :prompt_len + r - 1], logprobs_of=scored)
-        logprobs[rows, :r], entropies[rows, :r] = out["logprobs"], out["entropy"]  # (b, r) each, 0 at -100
-    return (logprobs, entropies) if entropy else logprobs
+        logp = torch.log_softmax(response_logits(model, ids, attention_mask[rows, :prompt_len + r],
+                                                 prompt_len).float(), dim=-1)  # (b, r, V)
+        logprobs[rows, :r] = logp.gather(-1, ids[:, prompt_len:].unsqueeze(-1)).squeeze(-1)
+        if entropy:
+            entropies[rows, :r] = entropy_of(logp)
+    real = response_mask.bool()
+    logprobs = torch.where(real, logprobs, 0.0)  # a group's shorter rows computed a few columns past their end
+    return (logprobs, torch.where(real, entropies, 0.0)) if entropy else logprobs
 
 
 def each(prompts, samples: int) -> list:

@@ -5,10 +5,7 @@ parameters), within float32 rounding where it is not (the split products, the ch
 vocabulary in another order, 1e-5). The helpers and oracles are tests/test_gpt_model.py's.
 """
 
-import copy
-import functools
 import math
-from unittest import mock
 
 import pytest
 import torch
@@ -224,52 +221,6 @@ def test_the_fast_model_loss_equals_the_lesson_definition_with_the_same_gradient
                           torch.autograd.grad(expected, params)):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4, msg=name)
 
-
-
-@pytest.mark.parametrize("chunk_rows", [1, 3, None])
-@pytest.mark.parametrize("tie", [True, False])
-def test_the_fast_token_logprobs_equal_the_lesson_with_the_same_gradients(tie, chunk_rows):
-    """A sped-up model(ids, logprobs_of=...) gives the lesson's "logprobs" and "entropy" (float32 rounding of a sum
-    over the vocabulary apart), 0 at -100, whatever the chunking, and the same gradient in every parameter for
-    any upstream gradient; without gradients the same values come back."""
-    lesson = random_model(small_cfg(tie_embeddings=tie), seed=5)
-    fast = gf.speed_up(copy.deepcopy(lesson))
-    ids = torch.randint(1, 61, (3, 10), generator=torch.Generator().manual_seed(1))
-    mask = torch.ones_like(ids)
-    mask[2, 8:] = 0
-    scored = ids[:, 3:].masked_fill(mask[:, 3:] == 0, -100)  # (3, 7): the last two of row 2 are padding
-    ids, mask = ids[:, :-1], mask[:, :-1]  # what reads: each scored id is predicted at the position before it
-    with mock.patch.object(gf, "chunked_token_logprobs", functools.partial(gf.chunked_token_logprobs,
-                                                                           chunk_rows=chunk_rows)):
-        got = fast(ids, attention_mask=mask, logprobs_of=scored)
-        with torch.no_grad():
-            again = fast(ids, attention_mask=mask, logprobs_of=scored)
-    expected = lesson(ids, attention_mask=mask, logprobs_of=scored)
-    for key in ("logprobs", "entropy"):
-        torch.testing.assert_close(got[key], expected[key], atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(again[key], expected[key], atol=1e-5, rtol=1e-5)
-    assert got["logprobs"][2, -2:].tolist() == [0.0, 0.0] and got["entropy"][2, -2:].tolist() == [0.0, 0.0]
-    upstream = torch.randn(3, 7, generator=torch.Generator().manual_seed(2))
-    for name, a, b in zip([n for n, _ in fast.named_parameters()],
-                          torch.autograd.grad((got["logprobs"] * upstream).sum(), list(fast.parameters())),
-                          torch.autograd.grad((expected["logprobs"] * upstream).sum(), list(lesson.parameters()))):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4, msg=name)
-
-
-def test_chunked_token_logprobs_under_bf16_autocast_are_close_to_the_autocast_log_softmax():
-    """Under CPU autocast the head runs in bfloat16 and the log-softmax in float32 on both paths: the log-probs agree
-    to bfloat16 rounding of the logits, the gradients to bfloat16 precision."""
-    hidden, weight, labels = hidden_weight_labels(n_rows=200, vocab=300, emb=32)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        logp = torch.log_softmax(F.linear(hidden, weight).float(), dim=-1)
-        expected = logp.gather(-1, labels.clamp(min=0)[..., None]).squeeze(-1).masked_fill(labels == -100, 0.0)
-        got, _ = gf.chunked_token_logprobs(hidden, weight, labels, 16)
-    assert got.dtype == torch.float32
-    torch.testing.assert_close(got, expected, atol=2e-2, rtol=0)
-    for a, b in zip(torch.autograd.grad(got.sum(), (hidden, weight)), torch.autograd.grad(expected.sum(),
-                                                                                             (hidden, weight))):
-        assert a.dtype == b.dtype == torch.float32
-        torch.testing.assert_close(a, b, atol=2e-2 * b.abs().max().item(), rtol=0)
 
 
 def test_stream_receives_each_new_column():

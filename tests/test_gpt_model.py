@@ -448,38 +448,6 @@ def test_the_model_loss_from_labels_is_the_cross_entropy_written_out():
         torch.testing.assert_close(a, b.float(), atol=1e-5, rtol=1e-4)
 
 
-def test_token_logprobs_are_the_log_softmax_written_out():
-    """model(ids[:, :-1], logprobs_of=ids[:, 4:])["logprobs"] is, by hand in float64 from the same model's logits,
-    the log-probability of each of the last 6 tokens at the position before it, z_token - log sum_v exp(z_v), and
-    "entropy" is -sum_v p_v log p_v there; an id of -100 gives 0 in both; the gradient is autograd's through the
-    formula. Ids that do not fit (k > T, another batch size) are refused."""
-    model = random_model(small_cfg(), seed=5)
-    ids = torch.randint(1, 61, (2, 10), generator=torch.Generator().manual_seed(1))
-    scored = ids[:, 4:].clone()
-    scored[1, 4:] = -100  # padding after the second row's answer
-    out = model(ids[:, :-1], logprobs_of=scored)  # the last 6 of the 9 positions read score ids 4..9
-    assert "logits" not in out and out["logprobs"].shape == out["entropy"].shape == (2, 6)
-    logits = model(ids)["logits"].double()  # (2, 10, V)
-    by_hand = torch.zeros(2, 6, dtype=torch.float64)
-    entropy = torch.zeros(2, 6, dtype=torch.float64)
-    for b in range(2):
-        for j in range(6):
-            if scored[b, j] != -100:
-                z = logits[b, 3 + j]  # position 3 + j predicts token 4 + j
-                by_hand[b, j] = z[scored[b, j]] - torch.logsumexp(z, 0)
-                p = torch.softmax(z, 0)
-                entropy[b, j] = -(p * p.log()).sum()
-    torch.testing.assert_close(out["logprobs"].double(), by_hand, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(out["entropy"].double(), entropy.detach(), atol=1e-5, rtol=1e-5)
-    assert out["logprobs"][1, 4:].tolist() == [0.0, 0.0] and not out["entropy"].requires_grad
-    params = list(model.parameters())
-    for a, b in zip(torch.autograd.grad(out["logprobs"].sum(), params), torch.autograd.grad(by_hand.sum(), params)):
-        torch.testing.assert_close(a, b.float(), atol=1e-5, rtol=1e-4)
-    for bad in (ids, ids[:1, 4:], ids[:, 4]):
-        with pytest.raises(ValueError, match="logprobs_of has shape"):
-            model(ids[:, :-1], logprobs_of=bad)
-
-
 def test_labels_of_the_wrong_shape_are_refused():
     """Labels one position short (input_ids[:, 1:], a common slip) or of another batch size raise, naming both
     shapes, instead of giving a loss over misaligned rows."""

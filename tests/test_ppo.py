@@ -134,6 +134,11 @@ def test_val_row_keys_round_trip():
     assert from_val_row({**row, "val_loss": 0.7, "val_accuracy": 0.5, "step": 0, "score": 5.0}) == monitors
 
 
+def test_entropy_of_a_uniform_distribution_is_log_v():
+    uniform = rollouts.entropy_from_logits(torch.zeros(1, 1, 8)).item()
+    assert uniform == pytest.approx(torch.log(torch.tensor(8.0)).item())
+
+
 def tiny_models(seed=0):
     torch.manual_seed(seed)
     cfg = get_preset("tiny").replace(tie_embeddings=False)
@@ -144,8 +149,8 @@ def tiny_models(seed=0):
 
 def test_response_logprobs_in_groups_cut_to_length_equal_the_full_width_pass(monkeypatch):
     """Five responses of 6, 1, 3, 2 and 4 real tokens measured two rows at a time (sorted by length, each pair cut
-    after its longer response) give the log-probs and entropies of the log-softmax of one full-width pass at every
-    real position, and 0 after each end."""
+    after its longer response) give the log-probs and entropies of one full-width pass at every real position,
+    and 0 after each end."""
     policy = tiny_models()[0]
     monkeypatch.setattr(rollouts, "MEASURE_ROWS", 2)
     torch.manual_seed(5)
@@ -157,11 +162,11 @@ def test_response_logprobs_in_groups_cut_to_length_equal_the_full_width_pass(mon
     attention_mask[:, 3:] = response_mask.long()
     logprobs, entropy = rollouts.response_logprobs(policy, sequences, attention_mask, response_mask, 3, entropy=True)
     with torch.no_grad():
-        logp = torch.log_softmax(policy(sequences, attention_mask=attention_mask)["logits"][:, 2:-1], -1)  # (5, 6, V)
+        logits = rollouts.response_logits(policy, sequences, attention_mask, 3)  # (5, 6, V)
     real = response_mask.bool()
-    full_logprobs = logp.gather(-1, sequences[:, 3:, None]).squeeze(-1)
+    full_logprobs = rollouts.token_logprobs(logits, sequences[:, 3:])
     assert torch.allclose(logprobs[real], full_logprobs[real], atol=1e-5)
-    assert torch.allclose(entropy[real], -(logp.exp() * logp).sum(-1)[real], atol=1e-5)
+    assert torch.allclose(entropy[real], rollouts.entropy_from_logits(logits)[real], atol=1e-5)
     assert not logprobs[~real].any() and not entropy[~real].any()
     assert logprobs[real].lt(0).all()  # every real position was computed, none left at its initial 0
 
@@ -182,11 +187,10 @@ def test_kl_is_zero_and_ratio_is_one_before_the_first_update(tokenizer):
     assert data["ended"].tolist() == [bool((r == 102).any()) for r in data["input_ids"][:, data["prompt_len"]:]]
     P = data["prompt_len"]
     with torch.no_grad():
-        out = ppo.PolicyAndCritic(policy, critic).eval()(data["input_ids"][:, :-1], data["attention_mask"][:, :-1],
-                                                        data["input_ids"][:, P:])  # as ppo_update reads a minibatch
-    new_logp = torch.where(data["response_mask"].bool(), out["logprobs"], 0.0)
+        out = ppo.PolicyAndCritic(policy, critic).eval()(data["input_ids"], data["attention_mask"])
+    new_logp = rollouts.token_logprobs(out["logits"][:, P - 1:-1], data["input_ids"][:, P:])
     assert torch.equal(torch.exp(new_logp - data["logprobs"]), torch.ones_like(new_logp))
-    assert torch.equal(out["values"][:, P - 1:], data["values"])
+    assert torch.equal(out["values"][:, P - 1:-1], data["values"])
 
 
 def test_the_rm_reward_scores_each_response_like_the_reward_model_alone(tokenizer):
