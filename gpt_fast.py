@@ -258,20 +258,31 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
 
 def repeat_rows(cache: KVCache, k: int) -> None:
     """Each row of ``cache`` k times over, in place: row b becomes rows b*k .. b*k+k-1 (several continuations of one
-    prompt share its keys and values)."""
-    cache.shape = (cache.shape[0], cache.shape[1] * k, *cache.shape[2:])
+    prompt share its keys and values). Only the filled positions are copied."""
+    L, B, H, max_len, d = cache.shape
+    cache.shape, n = (L, B * k, H, max_len, d), cache.length
     if cache.keys is not None:
-        cache.keys = cache.keys.repeat_interleave(k, dim=1)
-        cache.values = cache.values.repeat_interleave(k, dim=1)
+        keys, values = cache.keys, cache.values
+        cache.keys, cache.values = (_empty_like(cache, t) for t in (keys, values))
+        for new, old in ((cache.keys, keys), (cache.values, values)):
+            new.view(L, B, k, H, max_len, d)[:, :, :, :, :n] = old[:, :, None, :, :n]  # (L, B, k, H, n, d_h)
 
 
 def keep_rows(cache: KVCache, rows) -> None:
     """Keep only the batch rows ``rows`` (a (b,) LongTensor of indices) of ``cache``, in place: rows whose
-    generation has finished stop costing compute in later steps."""
-    cache.shape = (cache.shape[0], len(rows), *cache.shape[2:])
+    generation has finished stop costing compute in later steps. Only the filled positions are copied."""
+    cache.shape, n = (cache.shape[0], len(rows), *cache.shape[2:]), cache.length
     if cache.keys is not None:
-        cache.keys = cache.keys[:, rows]
-        cache.values = cache.values[:, rows]
+        keys, values = cache.keys, cache.values
+        cache.keys, cache.values = (_empty_like(cache, t) for t in (keys, values))
+        for new, old in ((cache.keys, keys), (cache.values, values)):
+            new[:, :, :, :n] = old[:, rows, :, :n]  # (L, b, H, n, d_h)
+
+
+def _empty_like(cache: KVCache, buffer):
+    """An empty buffer of ``cache.shape`` in ``buffer``'s dtype and device: positions past the filled ones are
+    written before they are read, as in a new cache."""
+    return torch.empty(cache.shape, dtype=buffer.dtype, device=buffer.device)
 
 
 class Batch:
@@ -279,8 +290,10 @@ class Batch:
     and which rows the model still computes (``rows``: None for all; finished rows are dropped as they pile up) with
     their KV cache and last logits."""
 
-    def __init__(self, idx, attention_mask, context_size: int):
+    def __init__(self, idx, attention_mask, context_size: int, max_new_tokens: int):
         self.idx, self.context_size = idx, context_size
+        # the positions a cache will hold: the prompt and every new token but the last (whose keys nothing reads)
+        self.cache_len = min(context_size, idx.shape[1] + max_new_tokens - 1)
         self.padded = attention_mask is not None and not bool(attention_mask.all())
         # no padding: the model needs no mask, so no step builds, checks or extends one
         self.attention_mask = attention_mask if self.padded else None
@@ -296,7 +309,12 @@ class Batch:
         later steps still fit); with ``num_samples`` k > 1, each row then becomes k rows sharing that reading."""
         window = self.live(self.idx)[:, -self.context_size:]
         mask = self.live(self.attention_mask)[:, -self.context_size:] if self.padded else None
-        out = model(window, attention_mask=mask, use_cache=self.idx.shape[1] < self.context_size, logits_to_keep=1)
+        use_cache = self.idx.shape[1] < self.context_size
+        # a cache of the positions this generation fills, not of the model's whole context: the copies of
+        # ``repeat_rows`` and ``keep_rows`` and the memory scale with it
+        cfg = getattr(model, "cfg", None)  # a model without one makes its own cache
+        cache = KVCache(cfg, window.shape[0], self.cache_len) if use_cache and cfg is not None else None
+        out = model(window, attention_mask=mask, past_key_values=cache, use_cache=use_cache, logits_to_keep=1)
         self.cache, self.logits = out.get("past_key_values"), out["logits"][:, -1, :]  # (B, V)
         if num_samples > 1:  # only at the first step, when every row is live
             self.idx, self.logits, self.finished = (t.repeat_interleave(num_samples, 0)
@@ -371,7 +389,7 @@ def generate(model, idx, max_new_tokens, context_size, temperature=0.0, top_k=No
     context_size = check_generate_args(model, idx, context_size, temperature, eos_id)
     if max_new_tokens <= 0:  # nothing to generate: each row, k times over
         return idx.repeat_interleave(num_samples, 0)
-    batch = Batch(idx, attention_mask, context_size)
+    batch = Batch(idx, attention_mask, context_size, max_new_tokens)
     # no_grad, not inference_mode: under CPU autocast that turns off the cache of bf16 weight copies (every step
     # would cast every weight again, bench/README.md), and PPO trains on these ids, which inference mode forbids
     with torch.no_grad():

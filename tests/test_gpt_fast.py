@@ -302,6 +302,43 @@ def test_num_samples_reads_each_prompt_once_and_continues_it_k_times():
         gf.generate(model, idx, 2, 64, num_samples=0)
 
 
+def test_generate_caches_only_the_positions_it_fills():
+    """The KV cache of a generation holds the prompt and every new token but the last (whose keys nothing reads),
+    not the model's whole context: after the last step every position of it is filled."""
+    model = random_model(small_cfg(), seed=3)
+    caches = []
+    hook = model.register_forward_hook(lambda module, args, kwargs, out: caches.append(out.get("past_key_values")),
+                                       with_kwargs=True)
+    gf.generate(model, torch.tensor([[1, 2, 3], [4, 5, 6]]), 6, 64, num_samples=2)
+    hook.remove()
+    cache = caches[-1]
+    assert cache.keys.shape == cache.shape and cache.shape[1] == 4  # 2 prompts x 2 samples
+    assert cache.shape[3] == cache.length == 3 + 6 - 1 < model.cfg.context_length
+
+
+def test_repeat_rows_and_keep_rows_copy_the_filled_positions_of_their_rows():
+    """repeat_rows makes row b rows b*k .. b*k+k-1 and keep_rows keeps the rows asked for, in their order: the
+    filled positions are those rows' keys and values, the cache keeps its length and its room for more."""
+    cfg = small_cfg()
+    cache = gm.KVCache(cfg, 2, 10)
+    L, _, H, _, d = cache.shape
+    g = torch.Generator().manual_seed(0)
+    keys, values = torch.randn(L, 2, H, 4, d, generator=g), torch.randn(L, 2, H, 4, d, generator=g)
+    for layer in range(L):
+        cache.update(layer, keys[layer], values[layer])
+    cache.length = 4
+    gf.repeat_rows(cache, 3)
+    assert cache.keys.shape == cache.shape == (L, 6, H, 10, d) and cache.length == 4
+    assert torch.equal(cache.keys[:, :, :, :4], keys.repeat_interleave(3, dim=1))
+    assert torch.equal(cache.values[:, :, :, :4], values.repeat_interleave(3, dim=1))
+    gf.keep_rows(cache, torch.tensor([5, 0]))  # row 5 is the 3rd copy of row 1, row 0 the 1st of row 0
+    assert cache.keys.shape == cache.shape == (L, 2, H, 10, d)
+    assert torch.equal(cache.keys[:, :, :, :4], keys[:, [1, 0]])
+    assert torch.equal(cache.values[:, :, :, :4], values[:, [1, 0]])
+    k, v = cache.update(0, torch.ones(2, H, 1, d), torch.ones(2, H, 1, d))  # the room after them is still there
+    assert k.shape == (2, H, 5, d) and torch.equal(k[:, :, :4], keys[0, [1, 0]]) and (v[:, :, 4] == 1).all()
+
+
 
 # --------------------------------------------------------------------------------------------------------------
 # SplitLinear: the split path for decoding on a CPU
