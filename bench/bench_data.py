@@ -146,12 +146,13 @@ def main():
     import datasets
     import torch
     from bench_attention import cpu_name
+    from pipeline_malloc import MALLOC
 
     print(f"CPU: {cpu_name()}; {os.cpu_count()} cores; torch {torch.__version__}, datasets {datasets.__version__}")
     cache = os.path.join(args.out, "hf_cache")  # a datasets cache of its own: the first run is really cold
     shutil.rmtree(cache, ignore_errors=True)
     env = {**os.environ, "HF_DATASETS_CACHE": cache,
-           "GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=1073741824:glibc.malloc.trim_threshold=4294967296"}
+           "GLIBC_TUNABLES": MALLOC}
     t = time.time()
     paths, size = build_corpus(os.path.join(args.out, "corpus"), args.size_gb, args.files)
     print(f"corpus: {size / 1e9:.2f} GB in {len(paths)} files ({time.time() - t:.0f} s to write)")

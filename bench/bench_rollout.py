@@ -26,6 +26,7 @@ import types
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # the repository root
 
 import torch
+from pipeline_malloc import run_under_pipeline_malloc  # bench/, this script's folder
 
 from chinese_tokenizer import load_tokenizer
 from plumbing.checkpoint import load_checkpoint
@@ -120,4 +121,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    run_under_pipeline_malloc()  # the stages' allocator setting: what is timed is what the pipeline pays
     run(main)

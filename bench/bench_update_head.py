@@ -22,6 +22,7 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # the repository root
 
 import torch
+from pipeline_malloc import run_under_pipeline_malloc  # bench/, this script's folder
 
 from gpt_fast import chunked_next_token_loss, speed_up
 from gpt_model import GPTModel, get_preset
@@ -76,4 +77,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    run_under_pipeline_malloc()  # the stages' allocator setting: what is timed is what the pipeline pays
     run(main)

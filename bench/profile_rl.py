@@ -22,6 +22,8 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # the repository root
 
+from pipeline_malloc import run_under_pipeline_malloc  # bench/, this script's folder
+
 import pipeline
 from gpt_model import RewardModel
 from plumbing import alignment, held_out, rollouts
@@ -118,4 +120,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
+    run_under_pipeline_malloc()  # the stages' allocator setting: what is timed is what the pipeline pays
     run(main)

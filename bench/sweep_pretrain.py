@@ -28,9 +28,10 @@ import sys
 import time
 from dataclasses import asdict, dataclass, replace
 
-MALLOC = "glibc.malloc.mmap_threshold=1073741824:glibc.malloc.trim_threshold=4294967296"
-if "GLIBC_TUNABLES" not in os.environ and sys.platform.startswith("linux") and __name__ == "__main__":
-    os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, "GLIBC_TUNABLES": MALLOC})
+from pipeline_malloc import run_under_pipeline_malloc
+
+if __name__ == "__main__":
+    run_under_pipeline_malloc()
 
 import numpy as np
 import torch
