@@ -350,16 +350,42 @@ def flops_table(records: dict, best_of_n: dict | None = None) -> list[str]:
     return [markdown_table(("stage", "FLOPs", *(name for _, name in FLOP_KINDS)), rows).rstrip("\n"), ""]
 
 
+def best_matmul(records: dict, best_of_n: dict | None = None) -> dict:
+    """{(device, precision): the fastest ``matmul_flop_s`` any stage of the run measured on that device in that
+    autocast precision}: the yardstick of every stage's matmul share. One measurement is a handful of products at a
+    stage's end; on a shared machine it can fall in a slow second, and the share it gives would then be too high."""
+    best = {}
+    configs = [r["config"] for r in records.values()] + [(best_of_n or {}).get("speed", {})]
+    for config in configs:
+        if config.get("matmul_flop_s"):
+            key = yardstick_key(config)
+            best[key] = max(best.get(key, 0.0), config["matmul_flop_s"])
+    return best
+
+
+def yardstick_key(config: dict) -> tuple:
+    """(device, autocast precision) of a stage's ``config.json`` or a ``speed_record`` (generate.py runs on the CPU
+    without autocast unless its record says otherwise)."""
+    return config.get("device", "cpu"), config.get("mixed_precision", "no")
+
+
+def with_yardstick(config: dict, best: dict) -> dict:
+    """``config`` with its ``matmul_flop_s`` replaced by the run's fastest on the same device and precision."""
+    key = yardstick_key(config)
+    return {**config, "matmul_flop_s": best[key]} if config.get("matmul_flop_s") and key in best else config
+
+
 def stage_table(preset: str, launch: str, times: dict, records: dict, baselines: dict,
                 best_of_n: dict | None = None) -> list[str]:
     """Markdown lines: one row per step of the pipeline (wall time, training tokens/s, FLOP/s and its share, final
     metrics beside the counting baseline each one bounds), then the precision and device line and ``flops_table``.
     ``records``: ``read_records``; ``best_of_n``: ``generate.py --monitors``' dict, with the ``speed`` of its run."""
     m, b = {stage: r["metrics"] for stage, r in records.items()}, baselines
+    yardstick = best_matmul(records, best_of_n)
 
     def speed(stage):  # the tokens/s and FLOP/s cells
         record = records[stage]
-        return fmt(tokens_per_second(record["rows"]), ",.0f"), format_speed(record["config"])
+        return fmt(tokens_per_second(record["rows"]), ",.0f"), format_speed(with_yardstick(record["config"], yardstick))
 
     rows = [("data/prepare.py", f"{times['data']:.0f} s", "—", "—",
              f"{'already built; ' if times['data'] < 1 else ''}see data/MANIFEST.json"),
@@ -383,7 +409,8 @@ def stage_table(preset: str, launch: str, times: dict, records: dict, baselines:
                *speed(stage), task_summary(stage, m[stage])) for stage in TASK_ALIGNED if stage in m],
             ("generation", f"{times['generate']:.0f} s", "—", "—",
              f"{len(ANSWERING)} models × {len(REPORT_PROMPTS)} prompts"),
-            ("best-of-n", f"{times.get('best_of_n', 0):.0f} s", "—", format_speed((best_of_n or {}).get("speed", {})),
+            ("best-of-n", f"{times.get('best_of_n', 0):.0f} s", "—",
+             format_speed(with_yardstick((best_of_n or {}).get("speed", {}), yardstick)),
              f"{max(BEST_OF)} samples per held-out prompt from the SFT model, scored by the RM")]
     precisions = sorted({r["config"].get("mixed_precision", "no") for r in records.values()})
     devices = sorted({r["config"].get("device", "?") for r in records.values()})
@@ -395,7 +422,9 @@ def stage_table(preset: str, launch: str, times: dict, records: dict, baselines:
             f"a forward pass for scoring or sampling 2N + 4·L·E per token and key it attends to; "
             f"`plumbing/flops.py`) over its whole wall time; beside it the MFU, the share of the GPU's dense bf16 "
             f"peak, or on a CPU, which has no datasheet peak here, the share of what one 1024 × 1024 matrix "
-            f"product reached in the stage's own process and precision. Where each stage's arithmetic goes:", "",
+            f"product reached in the same precision: measured at the end of every stage, the fastest of the run "
+            f"(one taken while the machine's neighbours slowed it would flatter the stage it ended). Where each "
+            f"stage's arithmetic goes:", "",
             *flops_table(records, best_of_n)]
 
 

@@ -140,3 +140,21 @@ def test_a_speed_record_and_its_cell():
     assert format_speed({}) == "—"
     measured = speed_record({"train": 1}, 1.0, torch.device("cpu"), torch.float32)
     assert measured["matmul_flop_s"] > 0 and measured["peak_flops"] is None
+
+
+def test_every_share_on_the_card_is_of_the_fastest_matmul_the_run_measured_in_that_precision():
+    """A yardstick measured in a slow second (SFT: 1e10 against 4e10) would give SFT 100%; the card reads every stage
+    of one device and precision against the run's fastest (4e10), so both show 25%, and a bf16 stage its own."""
+    from plumbing.report import best_matmul, with_yardstick
+
+    def config(matmul, precision):
+        return {"config": {"flop_s": 1e10, "matmul_flop_s": matmul, "device": "cpu", "mixed_precision": precision}}
+
+    records = {"pretrain": config(4e10, "no"), "sft": config(1e10, "no"), "rm": config(8e10, "bf16")}
+    best_of_n = {"speed": {"flop_s": 1e10, "matmul_flop_s": 2e10}}  # generate.py: fp32 on the CPU
+    best = best_matmul(records, best_of_n)
+    assert best == {("cpu", "no"): 4e10, ("cpu", "bf16"): 8e10}
+    cells = [format_speed(with_yardstick(r["config"], best)) for r in records.values()]
+    assert cells == ["10 GFLOP/s (25% of a matmul)", "10 GFLOP/s (25% of a matmul)", "10 GFLOP/s (12% of a matmul)"]
+    assert format_speed(with_yardstick(best_of_n["speed"], best)) == "10 GFLOP/s (25% of a matmul)"
+    assert with_yardstick({"flop_s": 1e10}, best) == {"flop_s": 1e10}  # no yardstick of its own: none given
