@@ -83,7 +83,8 @@ def weights_file(path: str) -> str:
     return adapter if os.path.isfile(adapter) else os.path.join(path, MODEL_FILE)
 
 
-def save_checkpoint(output_dir: str, model, tokenizer, meta: dict, write_state=None, extra_files=None) -> None:
+def save_checkpoint(output_dir: str, model, tokenizer, meta: dict, write_state=None, extra_files=None,
+                    carry=()) -> None:
     """Write a stage checkpoint atomically: build it in a temporary sibling directory, then rename it into place.
 
     Args:
@@ -94,6 +95,8 @@ def save_checkpoint(output_dir: str, model, tokenizer, meta: dict, write_state=N
         meta: stage metadata merged into ``config.json`` (stage, parent, step, metrics, ...).
         write_state: optional ``fn(state_dir)`` writing the resumable training state into ``state/``.
         extra_files: optional {file name: fn(path)} writers for the stage's own files (metrics.jsonl, plots).
+        carry: names of entries of the old ``output_dir`` moved into the new one (``replace_dir``): files another
+            writer keeps open there, such as the TensorBoard event files (``training.Curves``).
     Raises:
         UserError: the disk is full or the directory is not writable; the previous checkpoint is left intact.
     """
@@ -119,7 +122,7 @@ def save_checkpoint(output_dir: str, model, tokenizer, meta: dict, write_state=N
             write(os.path.join(tmp, name))
         if write_state is not None:
             write_state(os.path.join(tmp, STATE_DIR))
-        replace_dir(tmp, output_dir)
+        replace_dir(tmp, output_dir, carry)
     except OSError as e:
         raise UserError(f"could not write checkpoint {output_dir}: {e.strerror or e}; free some disk space or "
                         f"choose another --output_dir (the previous checkpoint is unchanged)") from e
@@ -128,8 +131,10 @@ def save_checkpoint(output_dir: str, model, tokenizer, meta: dict, write_state=N
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def replace_dir(new: str, target: str) -> None:
-    """Put directory ``new`` at ``target``; an old ``target`` is moved aside first and removed only afterwards.
+def replace_dir(new: str, target: str, carry=()) -> None:
+    """Put directory ``new`` at ``target``; an old ``target`` is moved aside first and removed only afterwards,
+    once the entries named in ``carry`` that it holds (and ``new`` does not) are moved into the new ``target``: a
+    rename on one file system, so a file some writer holds open stays the file it writes to.
 
     ``new`` and everything in it first get the modes the user's umask gives new files: ``mkdtemp`` makes the
     directory private and safetensors writes its files 0600, but a checkpoint is an output like any other."""
@@ -148,6 +153,9 @@ def replace_dir(new: str, target: str) -> None:
         os.rename(target, old)
     os.rename(new, target)
     if old is not None:
+        for name in carry:
+            if os.path.exists(os.path.join(old, name)) and not os.path.exists(os.path.join(target, name)):
+                os.rename(os.path.join(old, name), os.path.join(target, name))
         shutil.rmtree(old, ignore_errors=True)
 
 

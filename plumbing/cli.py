@@ -183,6 +183,11 @@ def stage_parser(description: str, output_dir: str, defaults: dict, steps: str =
                    help="deterministic GPU kernels (torch.use_deterministic_algorithms, CUBLAS_WORKSPACE_CONFIG="
                         ":4096:8, attention through the math kernel), so that a --resume on a GPU repeats the run "
                         "bit for bit; slower. Without a GPU it changes nothing: a CPU run repeats itself anyway")
+    p.add_argument("--report_to", default="tensorboard", choices=["tensorboard", "wandb", "trackio", "none"],
+                   help="where the metrics.jsonl values are logged as curves too, through Accelerate's trackers: "
+                        "TensorBoard event files in --output_dir/tensorboard (watch a whole pipeline with "
+                        "`tensorboard --logdir checkpoints`), a wandb or trackio run (their package installed), or "
+                        "none")
     p.add_argument("--tokenizer", default=default_path("data", "tokenizer"), help="tokenizer directory")
     return p
 

@@ -4,7 +4,8 @@
 * ``save_training_state`` / ``load_training_state``: optimizer, step and RNG in safetensors + JSON (no pickle);
   ``run_settings`` / ``check_same_settings``: a ``--resume`` must repeat the saved run's settings.
 * ``StopSignal``: Ctrl-C / SIGTERM finish the current step, save a resumable state, then exit.
-* ``MetricsLog``: metrics.jsonl rows and the curves PNG.
+* ``MetricsLog``: metrics.jsonl rows and the curves PNG; ``Curves``: the same rows in the tracker ``--report_to``
+  names (TensorBoard by default), each value once, a resumed run's included.
 * ``evaluate_lm``: mean next-token loss over a validation set, split over processes.
 * ``StageRun``: the plumbing every stage shares (resume, the step loop and its bar, the optimizer step, the loss
   check that all processes agree on, saves, the closing message), so each stage script keeps only its own story.
@@ -14,6 +15,7 @@ The optimizers live in ``optimizers.py``, the data order (``BatchSchedule``) in 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -65,7 +67,8 @@ def make_accelerator(args):
     # --dynamo_backend` still decides (None reads its setting)
     accelerator = Accelerator(cpu=cpu, gradient_accumulation_steps=args.gradient_accumulation_steps,
                               mixed_precision=pick_mixed_precision(args.mixed_precision),
-                              dynamo_backend="inductor" if args.compile else None)
+                              dynamo_backend="inductor" if args.compile else None,
+                              log_with=tracker_of(args), project_dir=args.output_dir)
     set_seed(args.seed)
     cores = os.cpu_count() or 1
     launched = "ACCELERATE_MIXED_PRECISION" in os.environ  # set by `accelerate launch`
@@ -76,6 +79,16 @@ def make_accelerator(args):
                           f"launch` sets unless given --cpu); launch with --cpu or "
                           f"--num_cpu_threads_per_process {cores}")
     return accelerator
+
+
+def tracker_of(args) -> str | None:
+    """The Accelerate tracker ``--report_to`` names (None for "none"); ``UserError`` when its package is missing."""
+    if getattr(args, "report_to", "none") == "none":  # args made by hand (a test's) may not have it
+        return None
+    if importlib.util.find_spec(args.report_to) is None:  # tensorboard, wandb and trackio: package = tracker name
+        raise UserError(f"--report_to {args.report_to}: the {args.report_to} package is not installed; install it "
+                        f"(pip install {args.report_to}) or pass --report_to none")
+    return args.report_to
 
 
 def save_training_state(state_dir: str, optimizer, trainer_state: dict, rng_states) -> None:
@@ -99,9 +112,9 @@ def save_training_state(state_dir: str, optimizer, trainer_state: dict, rng_stat
         json.dump({"trainer": trainer_state, "param_groups": sd["param_groups"], "scalars": scalars}, f, indent=1)
 
 
-# Flags that may differ between a run and its --resume: they decide when to stop, save or overwrite, not what the
-# run computes.
-RESUME_FREE = ("resume", "stop_after", "save_every", "overwrite")
+# Flags that may differ between a run and its --resume: they decide when to stop, save or overwrite, or where the
+# curves go, not what the run computes.
+RESUME_FREE = ("resume", "stop_after", "save_every", "overwrite", "report_to")
 
 
 def run_settings(args) -> dict:
@@ -283,6 +296,56 @@ class MetricsLog:
         plt.close(fig)
 
 
+# the run folder's entry that holds the TensorBoard event files (Accelerate's tracker writes into project_dir/<name>)
+CURVES_DIR = "tensorboard"
+
+
+class Curves:
+    """The ``metrics.jsonl`` rows as curves in the tracker ``--report_to`` names, through Accelerate's trackers
+    (``accelerator.init_trackers`` / ``log`` / ``end_training``): every number of every row, at its row's step, once.
+
+    ``send(rows)`` logs what it has not logged before: the rows added since, and values added later to a row already
+    sent (the final held-out monitors join the last row). TensorBoard writes its event files into
+    ``--output_dir/tensorboard``, which each save carries into the new checkpoint folder (``replace_dir``'s
+    ``carry``), so the writer keeps its file. A run starts that folder anew: a new run (``--overwrite``) drops the
+    old run's curves; a resumed one writes the rows it kept (those up to its saved step) again before going on, so
+    the steps a stopped run logged after its last save are not there twice.
+    """
+
+    def __init__(self, accelerator, args, rows):
+        # args made by hand (a test's) may have no --report_to: no curves then
+        self.accelerator, self.on, self.sent = accelerator, getattr(args, "report_to", "none") != "none", []
+        if not self.on:
+            return
+        folder = os.path.join(args.output_dir, CURVES_DIR)
+        if accelerator.is_main_process and os.path.isdir(folder):  # only the event files: nothing else is ours
+            for name in os.listdir(folder):
+                if name.startswith("events.out.tfevents."):
+                    os.remove(os.path.join(folder, name))
+        accelerator.wait_for_everyone()
+        accelerator.init_trackers(CURVES_DIR)
+        self.send(rows)
+
+    def send(self, rows) -> None:
+        """Log each number of ``rows`` (``MetricsLog.rows``) not logged yet, at its row's ``step``."""
+        if not self.on:
+            return
+        for i, row in enumerate(rows):
+            if i == len(self.sent):
+                self.sent.append(set())
+            new = {k: v for k, v in row.items() if k != "step" and k not in self.sent[i]
+                   and isinstance(v, (int, float)) and not isinstance(v, bool)}
+            if new:
+                self.accelerator.log(new, step=row["step"])
+                self.sent[i].update(new)
+
+    def close(self) -> None:
+        """Flush and close the trackers (what ``accelerator.end_training`` does first; it also ends the process
+        group, which a stage may still need after its curves are done)."""
+        for tracker in self.accelerator.trackers if self.on else ():
+            tracker.finish()
+
+
 @torch.no_grad()
 def evaluate_lm(model, examples, collate, batch_size: int, accelerator) -> float:
     """Mean next-token cross-entropy (nats per predicted token) over ``examples``, shared across processes.
@@ -369,6 +432,7 @@ class StageRun:
         self._bar, self._tokens_at, self._time_at, self._flops_at = None, 0, time.perf_counter(), 0
         if args.resume:
             self._resume()
+        self.curves = Curves(accelerator, args, self.metrics.rows)  # a resumed run's kept rows first
 
     @property
     def completed(self) -> bool:
@@ -478,6 +542,7 @@ class StageRun:
         speed = utilisation(flop_s, self.peak_flops) if self.step > 0 and flop_s else {}
         row = self.metrics.add(step=self.step, **row, **lr, tokens_seen=self.tokens_seen,
                                time_s=round(time.time() - self.started, 1), **speed)
+        self.curves.send(self.metrics.rows)
         if self._bar is not None and self.step > 0:
             self._tokens_at, self._time_at, self._flops_at = self.tokens_seen, now, flops
             postfix = {k: (f"{row[k]:.3g}" if isinstance(row[k], float) else row[k]) for k in show if k in row}
@@ -524,8 +589,9 @@ class StageRun:
                 if self.write_state is not None:
                     self.write_state(state_dir)
 
+            self.curves.send(self.metrics.rows)  # values added to rows since they were logged
             save_checkpoint(self.args.output_dir, self.unwrapped_model, self.tokenizer, meta,
-                            None if final else write_state, files)
+                            None if final else write_state, files, carry=(CURVES_DIR,))
         self.accelerator.wait_for_everyone()
 
     def stage_flops(self, final: bool) -> dict:
@@ -554,14 +620,17 @@ class StageRun:
     def finish(self, summary: str = "") -> int:
         """End the stage and return its exit code: after Ctrl-C the signal's (the state is already saved); after
         ``--stop_after`` a resumable checkpoint; after the last step the final one and the closing message."""
-        if self.exit_code is not None:
+        if self.exit_code is not None:  # the save that ended the loop has sent every row
+            self.curves.close()
             return self.exit_code
         if not self.completed:
             self.save(final=False)
+            self.curves.close()
             self.accelerator.print(f"stopped after step {self.step} of {self.args.max_steps}; continue with: "
                                    f"{resume_command()}")
             return 0
         self.save(final=True)
+        self.curves.close()
         cli.interrupt_hint = None  # nothing is left to resume
         seconds = time.time() - self.started
         # every pass of the whole stage (evaluations and sampling included) over all its seconds
