@@ -298,6 +298,8 @@ class MetricsLog:
 
 # the run folder's entry that holds the TensorBoard event files (Accelerate's tracker writes into project_dir/<name>)
 CURVES_DIR = "tensorboard"
+# the wandb or trackio project every stage logs into, each stage a run named after it
+TRACKER_PROJECT = "handmade-gpt2-zh"
 
 
 class Curves:
@@ -307,23 +309,30 @@ class Curves:
     ``send(rows)`` logs what it has not logged before: the rows added since, and values added later to a row already
     sent (the final held-out monitors join the last row). TensorBoard writes its event files into
     ``--output_dir/tensorboard``, which each save carries into the new checkpoint folder (``replace_dir``'s
-    ``carry``), so the writer keeps its file. A run starts that folder anew: a new run (``--overwrite``) drops the
-    old run's curves; a resumed one writes the rows it kept (those up to its saved step) again before going on, so
-    the steps a stopped run logged after its last save are not there twice.
+    ``carry``), so the writer keeps its file. Every run starts that folder anew, whatever it logs to: a new run
+    (``--overwrite``) drops the old run's curves; a resumed one writes the rows it kept (those up to its saved step)
+    again before going on, so the steps a stopped run logged after its last save are not there twice. wandb and
+    trackio get one project (``TRACKER_PROJECT``) with a run per stage; a resume starts a new run there, which holds
+    the kept rows and what follows (the stopped run stays as it was).
     """
 
-    def __init__(self, accelerator, args, rows):
-        # args made by hand (a test's) may have no --report_to: no curves then
-        self.accelerator, self.on, self.sent = accelerator, getattr(args, "report_to", "none") != "none", []
-        if not self.on:
-            return
+    def __init__(self, accelerator, args, rows, stage: str = "stage"):
+        report_to = getattr(args, "report_to", "none")  # args made by hand (a test's) may have none: no curves
+        self.accelerator, self.on, self.sent = accelerator, report_to != "none", []
         folder = os.path.join(args.output_dir, CURVES_DIR)
         if accelerator.is_main_process and os.path.isdir(folder):  # only the event files: nothing else is ours
             for name in os.listdir(folder):
                 if name.startswith("events.out.tfevents."):
                     os.remove(os.path.join(folder, name))
+            if not os.listdir(folder):  # with another tracker or none, no empty folder is left behind
+                os.rmdir(folder)
+        if not self.on:
+            return
         accelerator.wait_for_everyone()
-        accelerator.init_trackers(CURVES_DIR)
+        if report_to == "tensorboard":
+            accelerator.init_trackers(CURVES_DIR)
+        else:  # wandb and trackio: one project, a run per stage
+            accelerator.init_trackers(TRACKER_PROJECT, init_kwargs={report_to: {"name": stage}})
         self.send(rows)
 
     def send(self, rows) -> None:
@@ -432,7 +441,7 @@ class StageRun:
         self._bar, self._tokens_at, self._time_at, self._flops_at = None, 0, time.perf_counter(), 0
         if args.resume:
             self._resume()
-        self.curves = Curves(accelerator, args, self.metrics.rows)  # a resumed run's kept rows first
+        self.curves = Curves(accelerator, args, self.metrics.rows, stage)  # a resumed run's kept rows first
 
     @property
     def completed(self) -> bool:

@@ -52,8 +52,8 @@ class FakeAccelerator:
     def wait_for_everyone(self):
         pass
 
-    def init_trackers(self, name):
-        self.project = name
+    def init_trackers(self, name, init_kwargs=None):
+        self.project, self.init_kwargs = name, init_kwargs
 
     def log(self, values, step):
         self.logged.append((step, dict(values)))
@@ -75,12 +75,31 @@ def test_curves_send_each_number_once_and_values_added_to_a_row_later(tmp_path):
     assert accelerator.logged == [(0, {"val_loss": 9.9}), (1, {"train_loss": 5.0, "lr": 1e-3}), (1, {"val_judge": 0.5})]
 
 
-def test_report_to_none_logs_nothing_and_a_missing_tracker_package_is_one_line(tmp_path, monkeypatch):
+def test_report_to_none_logs_nothing_and_drops_an_earlier_runs_curves(tmp_path):
+    """A run with --report_to none (after --overwrite or with --resume) leaves no curves of an earlier run in its
+    folder to be carried into its checkpoint; files that are not event files stay."""
+    folder = tmp_path / CURVES_DIR
+    folder.mkdir()
+    (folder / "events.out.tfevents.1.vm.1.0").write_bytes(b"old curves")
     accelerator = FakeAccelerator()
     args = types.SimpleNamespace(report_to="none", output_dir=str(tmp_path))
     curves = Curves(accelerator, args, [{"step": 0, "a": 1}])
     curves.send([{"step": 0, "a": 1}])
-    assert accelerator.logged == [] and not (tmp_path / CURVES_DIR).exists()
+    assert accelerator.logged == [] and not folder.exists()
+    folder.mkdir()
+    (folder / "notes.txt").write_text("mine")
+    (folder / "events.out.tfevents.2.vm.1.0").write_bytes(b"old curves")
+    Curves(accelerator, args, [])
+    assert [p.name for p in folder.iterdir()] == ["notes.txt"]
+
+
+def test_wandb_and_trackio_log_each_stage_as_a_run_of_one_project(tmp_path):
+    accelerator = FakeAccelerator()
+    Curves(accelerator, types.SimpleNamespace(report_to="wandb", output_dir=str(tmp_path)), [], "sft")
+    assert accelerator.project == training.TRACKER_PROJECT and accelerator.init_kwargs == {"wandb": {"name": "sft"}}
+
+
+def test_a_missing_tracker_package_is_one_line(monkeypatch):
     monkeypatch.setattr(training.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(training.UserError, match=r"--report_to wandb: the wandb package is not installed.*none"):
         training.tracker_of(types.SimpleNamespace(report_to="wandb"))
