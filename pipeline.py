@@ -78,6 +78,9 @@ def parse_args(argv=None):
                    help='how to start each stage, e.g. "accelerate launch --mixed_precision bf16"')
     p.add_argument("--with-poetry", "--with_poetry", dest="with_poetry", action="store_true",
                    help="add the chinese-poetry corpus (about 29M characters) to pretraining")
+    p.add_argument("--report_to", default="tensorboard", choices=["tensorboard", "wandb", "trackio", "none"],
+                   help="where every training stage logs its curves (the stages' --report_to): TensorBoard event "
+                        "files in each checkpoint folder (`tensorboard --logdir checkpoints`), wandb, trackio or none")
     p.add_argument("--report_dir", default=default_path("reports"),
                    help="where report.md, its curves and the models' answers are written")
     return p.parse_args(argv)
@@ -186,13 +189,17 @@ def kept_from_earlier_run(stage: str, script: str, preset: str) -> bool:
 
 def written_by_pipeline(config: dict, stage: str, script: str, preset: str) -> bool:
     """Whether ``config`` records the command the pipeline runs for ``stage`` (``stage_command``, with or without
-    --overwrite/--resume), whichever interpreter or launcher ran it: a hand-run ``--max_steps 10`` is not the
-    pipeline's stage."""
+    --overwrite/--resume/--report_to), whichever interpreter or launcher ran it: a hand-run ``--max_steps 10`` is
+    not the pipeline's stage."""
     try:
         words = shlex.split(config.get("command", ""))
     except ValueError:
         return False
-    return [w for w in words[1:] if w not in ("--overwrite", "--resume")] == stage_command(stage, script, preset)
+    words = [w for w in words[1:] if w not in ("--overwrite", "--resume")]
+    if "--report_to" in words[:-1]:  # where the curves went does not change what the stage computed
+        at = words.index("--report_to")
+        del words[at:at + 2]
+    return words == stage_command(stage, script, preset)
 
 
 def trained_from_its_parent(stage: str, config: dict) -> bool:
@@ -227,6 +234,8 @@ def plan_stages(args, launch: list[str]) -> list[tuple[str, str, list[str] | Non
                 trained_from_its_parent(stage, config):
             extra = ["--resume"]  # the stopped stage goes on from its saved steps (it refuses other settings)
         resuming = False
+        if args.report_to != "tensorboard":  # the stages' default
+            extra += ["--report_to", args.report_to]
         plan.append((stage, script, launch + stage_command(stage, script, args.preset) + extra))
     return plan
 

@@ -364,6 +364,10 @@ def test_resume_keeps_the_finished_stages_and_continues_the_stopped_one(tmp_path
     assert planned(["--resume", "--preset", "tiny"]) == {s: ["--overwrite"] for s, _ in pipeline.STAGES}
     assert planned(["--overwrite"]) == {s: ["--overwrite"] for s, _ in pipeline.STAGES}
     assert planned([]) == {s: [] for s, _ in pipeline.STAGES}
+    # where the curves go is passed on, and a stage logged elsewhere is still the pipeline's
+    assert planned(["--report_to", "none"]) == {s: ["--report_to", "none"] for s, _ in pipeline.STAGES}
+    fake_checkpoint(tmp_path, "sft", parent_weights=pretrain, more_flags=" --report_to none")
+    assert planned(["--resume"])["sft"] is None
 
     (tmp_path / pipeline.CHECKPOINTS["pretrain"] / "model.safetensors").write_bytes(b"pretrained again")
     assert planned(["--resume"]) == {"pretrain": None, **{s: ["--overwrite"] for s, _ in pipeline.STAGES[1:]}}
