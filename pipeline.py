@@ -28,7 +28,7 @@ from chinese_tokenizer import load_tokenizer
 from gpt_model import PRESETS
 from plumbing import cli
 from plumbing.checkpoint import file_sha256, weights_file
-from plumbing.cli import USER_ERRORS, ArgumentParser, UserError, default_path, run
+from plumbing.cli import REPORT_TO, USER_ERRORS, ArgumentParser, UserError, default_path, run
 from plumbing.report import (
     ALIGNED,
     ANSWERING,
@@ -78,7 +78,7 @@ def parse_args(argv=None):
                    help='how to start each stage, e.g. "accelerate launch --mixed_precision bf16"')
     p.add_argument("--with-poetry", "--with_poetry", dest="with_poetry", action="store_true",
                    help="add the chinese-poetry corpus (about 29M characters) to pretraining")
-    p.add_argument("--report_to", default="tensorboard", choices=["tensorboard", "wandb", "trackio", "none"],
+    p.add_argument("--report_to", default="tensorboard", choices=REPORT_TO,
                    help="where every training stage logs its curves (the stages' --report_to): TensorBoard event "
                         "files in each checkpoint folder (`tensorboard --logdir checkpoints`), wandb, trackio or none")
     p.add_argument("--report_dir", default=default_path("reports"),

@@ -132,6 +132,10 @@ def probability(text: str) -> float:
 SAME_SIZE = {"uer-gpt2-chinese": "gpt2-zh-small"}
 
 
+# where a training stage's curves can go (--report_to): Accelerate's trackers, or none
+REPORT_TO = ("tensorboard", "wandb", "trackio", "none")
+
+
 def stage_parser(description: str, output_dir: str, defaults: dict, steps: str = "optimizer steps",
                  examples: str = "validation pairs", new_model: bool = False) -> ArgumentParser:
     """An ``ArgumentParser`` with the flags every training stage shares; ``--help`` ends with the stage's
@@ -183,7 +187,7 @@ def stage_parser(description: str, output_dir: str, defaults: dict, steps: str =
                    help="deterministic GPU kernels (torch.use_deterministic_algorithms, CUBLAS_WORKSPACE_CONFIG="
                         ":4096:8, attention through the math kernel), so that a --resume on a GPU repeats the run "
                         "bit for bit; slower. Without a GPU it changes nothing: a CPU run repeats itself anyway")
-    p.add_argument("--report_to", default="tensorboard", choices=["tensorboard", "wandb", "trackio", "none"],
+    p.add_argument("--report_to", default="tensorboard", choices=REPORT_TO,
                    help="where the metrics.jsonl values are logged as curves too, through Accelerate's trackers: "
                         "TensorBoard event files in --output_dir/tensorboard (watch a whole pipeline with "
                         "`tensorboard --logdir checkpoints`), a wandb or trackio run (their package installed), or "

@@ -304,7 +304,8 @@ TRACKER_PROJECT = "handmade-gpt2-zh"
 
 class Curves:
     """The ``metrics.jsonl`` rows as curves in the tracker ``--report_to`` names, through Accelerate's trackers
-    (``accelerator.init_trackers`` / ``log`` / ``end_training``): every number of every row, at its row's step, once.
+    (``accelerator.init_trackers``, ``log``, each tracker's ``finish``): every number of every row, at its row's step,
+    once.
 
     ``send(rows)`` logs what it has not logged before: the rows added since, and values added later to a row already
     sent (the final held-out monitors join the last row). TensorBoard writes its event files into
