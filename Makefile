@@ -16,6 +16,9 @@ STAMP := $(VENV)/.requirements.stamp
 
 venv: $(STAMP)
 
+# llama-cpp-python builds llama.cpp from source: without the multimodal library (unused here), on every core
+$(STAMP): export CMAKE_ARGS ?= -DLLAVA_BUILD=OFF
+$(STAMP): export CMAKE_BUILD_PARALLEL_LEVEL ?= $(shell nproc 2>/dev/null || echo 2)
 $(STAMP): requirements.lock
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --disable-pip-version-check -r requirements.lock

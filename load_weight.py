@@ -11,10 +11,15 @@ Command line (see ``--help``)::
 
     python load_weight.py --from_hf DIR --to_checkpoint checkpoints/hf-init     # HF directory -> stage checkpoint
     python load_weight.py --checkpoint checkpoints/ppo --to_hf DIR              # stage checkpoint -> HF directory
+    python load_weight.py --checkpoint checkpoints/ppo --to_gguf FILE.gguf      # language model -> llama.cpp
 
 A LoRA stage's checkpoint (``--lora_rank``: the adapters alone over a base, ``lora.py``) leaves merged, as any
 other (the adapters added into the weights), or with ``--peft`` as the base model's export plus a ``peft`` adapter
 (``hf_weights.save_peft_adapter``); ``--merge DIR`` writes it as a full stage checkpoint that needs no base.
+
+``--to_gguf FILE`` writes a language model for llama.cpp (``plumbing/gguf_export.py``: GPT-2 or GPT-NeoX in
+llama.cpp's terms, our vocabulary as its WordPiece tokenizer, the chat template) and an ollama ``Modelfile`` beside
+it (``FILE`` without ``.gguf`` plus ``.Modelfile``); a LoRA checkpoint leaves merged.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from plumbing.checkpoint import (
     save_checkpoint,
 )
 from plumbing.cli import ArgumentParser, UserError, default_path, run
+from plumbing.gguf_export import GGUF_TYPES, modelfile, save_gguf
 from plumbing.hf_weights import hf_weight_files, import_tokenizer, load_hf_model, save_hf_model, save_peft_adapter
 
 EXAMPLES = """examples:
@@ -53,6 +59,10 @@ EXAMPLES = """examples:
 
   # export the reward model: AutoModelForSequenceClassification (one score per text, read at its last token)
   python load_weight.py --checkpoint checkpoints/rm --to_hf hf/rm
+
+  # the aligned model for llama.cpp and ollama: one GGUF file (f32, f16 or q8_0) and an ollama Modelfile beside it
+  python load_weight.py --checkpoint checkpoints/ppo --to_gguf gguf/ppo.gguf --gguf_type q8_0
+  #   then: llama-cli -m gguf/ppo.gguf --jinja -cnv, or ollama create ppo -f gguf/ppo.Modelfile
 
   # import a Hugging Face directory (GPT-2, GPT-NeoX or Arcee, LM or reward model) as a stage checkpoint
   python load_weight.py --from_hf DIR --to_checkpoint checkpoints/hf-init
@@ -75,10 +85,17 @@ def parse_args(argv=None):
     source = p.add_mutually_exclusive_group(required=True)
     source.add_argument("--from_hf", metavar="DIR", help="local Hugging Face directory to import")
     source.add_argument("--checkpoint", metavar="DIR",
-                        help="stage checkpoint to export, a language or a reward model (needs --to_hf)")
+                        help="stage checkpoint to export, a language or a reward model (needs --to_hf, --to_gguf "
+                             "or --merge)")
     p.add_argument("--to_checkpoint", metavar="DIR", default=default_path("checkpoints", "hf-init"),
                    help="where --from_hf writes the stage checkpoint (default: %(default)s)")
     p.add_argument("--to_hf", metavar="DIR", help="where --checkpoint writes the Hugging Face directory")
+    p.add_argument("--to_gguf", metavar="FILE",
+                   help="where --checkpoint writes a language model as one GGUF file for llama.cpp, with an ollama "
+                        "Modelfile beside it")
+    p.add_argument("--gguf_type", choices=GGUF_TYPES, default="f32",
+                   help="number format of the GGUF file's matrices (default: %(default)s; q8_0 is about a quarter "
+                        "of f32's size)")
     p.add_argument("--peft", action="store_true",
                    help="with --to_hf and a LoRA checkpoint: write the base model to DIR/base and the adapters as a "
                         "peft adapter to DIR/adapter, instead of one model with the adapters merged in")
@@ -90,14 +107,20 @@ def parse_args(argv=None):
                         "bert-base-chinese vocabulary, else data/tokenizer)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
     args = p.parse_args(argv)
-    if args.checkpoint and not (args.to_hf or args.merge):
-        p.error("--checkpoint needs --to_hf DIR (where to write the Hugging Face directory) or --merge DIR")
-    if args.to_hf and args.merge:
-        p.error("--to_hf and --merge are two different outputs; give one of them")
+    outputs = [flag for flag in ("to_hf", "to_gguf", "merge") if getattr(args, flag)]
+    if args.checkpoint and not outputs:
+        p.error("--checkpoint needs --to_hf DIR (a Hugging Face directory), --to_gguf FILE (llama.cpp) or --merge DIR")
+    if len(outputs) > 1:
+        p.error(f"{' and '.join('--' + f for f in outputs)} are different outputs; give one of them")
+    if args.peft and args.to_gguf:
+        p.error("--peft writes the adapters unmerged for transformers; llama.cpp gets them merged into the weights: "
+                "drop --peft")
     if args.peft and not args.to_hf:
         p.error("--peft goes with --checkpoint and --to_hf")
-    if args.from_hf and args.to_hf:
-        p.error("--to_hf goes with --checkpoint; with --from_hf use --to_checkpoint")
+    if args.from_hf and (args.to_hf or args.to_gguf):
+        p.error("--to_hf and --to_gguf go with --checkpoint; with --from_hf use --to_checkpoint")
+    if args.gguf_type != "f32" and not args.to_gguf:
+        p.error("--gguf_type goes with --to_gguf")
     return args
 
 
@@ -107,6 +130,8 @@ def main(argv=None):
         merge_adapter_checkpoint(args.checkpoint, args.merge, args.overwrite)
         print(f"wrote {args.merge}: {args.checkpoint}'s adapters merged into its base, a full checkpoint")
         return 0
+    if args.to_gguf:
+        return export_gguf(args)
     if args.checkpoint:
         if os.path.exists(args.to_hf) and not args.overwrite:
             raise UserError(f"--to_hf {args.to_hf} already exists; pass --overwrite to replace it, or choose another "
@@ -140,6 +165,31 @@ def main(argv=None):
     kind = "a reward model, e.g. for --reward" if isinstance(model, RewardModel) else "continue with --init"
     print(f"wrote {args.to_checkpoint} ({n_params:,} parameters, {model.cfg.n_layers} layers x {model.cfg.emb_dim}, "
           f"context {model.cfg.context_length}); {kind} {args.to_checkpoint}")
+    return 0
+
+
+def export_gguf(args) -> int:
+    """``--to_gguf FILE``: a language model checkpoint as one GGUF file (``gguf_export.save_gguf``; a LoRA
+    checkpoint merged first) and its ollama ``Modelfile`` beside it. ``UserError`` for what llama.cpp cannot run
+    and for an existing output without ``--overwrite``."""
+    path = args.to_gguf
+    recipe = os.path.splitext(path)[0] + ".Modelfile"
+    if os.path.exists(recipe) and not args.overwrite:
+        raise UserError(f"{recipe} (the ollama Modelfile written beside --to_gguf) already exists; pass --overwrite "
+                        f"to replace it, or choose another file")
+    model, tokenizer, config = load_checkpoint(args.checkpoint, flag="--checkpoint")
+    chat = config.get("stage") in CHAT_STAGES
+    merge_lora(model)
+    name = os.path.basename(os.path.normpath(args.checkpoint))
+    arch = save_gguf(model, path, tokenizer, args.gguf_type, chat=chat, name=name, overwrite=args.overwrite)
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(recipe)}.tmp-", dir=os.path.dirname(os.path.abspath(recipe)))
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(modelfile(path, chat))
+    os.replace(tmp, recipe)
+    size = os.path.getsize(path) / 1e6
+    print(f"wrote {path} ({arch} in llama.cpp's terms, {args.gguf_type}, {size:.1f} MB"
+          f"{', with the chat template' if chat else ''}) and {recipe}: llama-cli -m {path}"
+          f"{' --jinja -cnv' if chat else ''}, or ollama create {name} -f {recipe}")
     return 0
 
 

@@ -17,6 +17,8 @@ Alignment and judging:    rollouts (sampling answers, their log-probs), reward (
                           measurement of every aligner), judge (the independent judge and the monitors), baselines
                           (counting)
 Verifiable tasks:         verifiers (the strict checkers), tasks (exact accuracy, pass@k, the verifiable path's flag)
-Inference and export:     inference (loading a model to answer with), hf_weights (weights in and out of transformers)
+Inference and export:     inference (loading a model to answer with), hf_weights (weights in and out of transformers),
+                          gguf_export (a language model as a GGUF file for llama.cpp and ollama), harness (our
+                          figures for the lm-eval tasks of data/lm_eval/)
 Reporting:                report (the report card and the Markdown table helper)
 """

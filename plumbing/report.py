@@ -23,6 +23,7 @@ from chinese_tokenizer import encode, load_tokenizer
 from gpt_model import GPTConfig
 from plumbing.cli import UserError, default_path
 from plumbing.flops import format_speed
+from plumbing.gguf_export import llama_cpp_architecture
 from plumbing.hf_weights import CLASSES, architecture_for
 from plumbing.judge import best_of_n_kl, distinct_n, longest_repeat, reward_hacking_flag
 from plumbing.markdown import markdown_table
@@ -455,7 +456,8 @@ def notes_section(preset: str, kept) -> list[str]:
 def export_section(records: dict, checkpoints: dict) -> list[str]:
     """Markdown lines: the ``load_weight.py --to_hf`` commands for the aligned model with the highest held-out judge
     score among those without a reward-hacking flag (all of them if every one is flagged) and for the RM, with the
-    ``transformers`` class each becomes. Nothing if no alignment stage measured its held-out answers."""
+    ``transformers`` class each becomes, and the ``--to_gguf`` command that takes the aligned model to llama.cpp
+    and ollama (or why it cannot go). Nothing if no alignment stage measured its held-out answers."""
     judged = [(r["metrics"]["held_out"][stage]["judge"], stage) for stage, r in records.items()
               if stage in ALIGNED and r["metrics"].get("held_out", {}).get(stage)]
     if not judged:
@@ -478,6 +480,16 @@ def export_section(records: dict, checkpoints: dict) -> list[str]:
         lines.append(f"- {stage.upper()}, {why}: `python load_weight.py --checkpoint {path} --to_hf "
                      f"{out}` writes a `{name}` that `transformers` loads with `from_pretrained(\"{out}\")`"
                      f"{', its tokenizer with the chat template' if stage != 'rm' else ''}.")
+        if stage != "rm":
+            try:
+                gguf = f"llama.cpp's `{llama_cpp_architecture(cfg)}`"
+            except UserError as e:
+                lines.append(f"  It cannot go to llama.cpp: {e}.")
+                continue
+            lines.append(f"  For llama.cpp and ollama: `python load_weight.py --checkpoint {path} --to_gguf "
+                         f"gguf/{stage}.gguf --gguf_type q8_0` writes one GGUF file ({gguf}, with the chat "
+                         f"template) and `gguf/{stage}.Modelfile`; then `llama-cli -m gguf/{stage}.gguf --jinja -cnv` "
+                         f"or `ollama create {stage} -f gguf/{stage}.Modelfile`.")
     return lines + [""]
 
 

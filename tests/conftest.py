@@ -122,3 +122,34 @@ def prompts(tmp_path_factory):
     path.write_text("".join(json.dumps({"prompt": p}, ensure_ascii=False) + "\n"
                             for p in ("写一条好评：", "写一条差评：", "今天天气", "明月")), encoding="utf-8")
     return path
+
+
+POEMS = ("床前明月光，疑是地上霜。举头望明月，低头思故乡。"
+         "白日依山尽，黄河入海流。欲穷千里目，更上一层楼。"
+         "春眠不觉晓，处处闻啼鸟。夜来风雨声，花落知多少。")
+
+
+@pytest.fixture(scope="session")
+def fitted_models(tokenizer):
+    """Two small models (2 layers x 32, 128 positions, learned and rotary positions) fitted in-process to the
+    poems for 150 steps, so that their top tokens are clear, as a trained model's are: for comparisons with other
+    engines (llama.cpp, lm-eval), where a near-tie of a barely trained model would flip on float32 rounding."""
+    import torch
+
+    from chinese_tokenizer import encode
+    from gpt_model import GPTConfig, GPTModel
+
+    models = {}
+    for position in ("learned", "rope"):
+        torch.manual_seed(0)
+        model = GPTModel(GPTConfig(context_length=128, emb_dim=32, n_heads=4, n_layers=2, drop_rate=0.0,
+                                   position_embedding=position))
+        ids = torch.tensor([encode(POEMS, tokenizer)])  # (1, T)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        for _ in range(150):
+            loss = model.loss(model(ids[:, :-1])["last_hidden_state"], ids[:, 1:])
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+        models[position] = model.eval()
+    return models

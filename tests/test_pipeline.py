@@ -216,6 +216,14 @@ def test_export_section_names_the_best_unflagged_aligner_and_the_rm():
            "checkpoints/ppo --to_hf hf/ppo` writes a `GPTNeoXForCausalLM`" in text
     assert "`python load_weight.py --checkpoint checkpoints/rm --to_hf hf/rm` writes a " \
            "`GPTNeoXForSequenceClassification`" in text
+    assert "For llama.cpp and ollama: `python load_weight.py --checkpoint checkpoints/ppo --to_gguf gguf/ppo.gguf " \
+           "--gguf_type q8_0` writes one GGUF file (llama.cpp's `gptneox`" in text
+    assert text.count("--to_gguf") == 1  # the reward model does not go to llama.cpp
+    records["ppo"]["config"] = {"model": {"norm": "rmsnorm", "position_embedding": "rope"}}
+    text = "\n".join(report.export_section(records, checkpoints))
+    assert "`ArceeForCausalLM`" in text
+    assert "It cannot go to llama.cpp: --to_gguf: llama.cpp has no architecture" in text
+    records["ppo"]["config"] = demo
     for stage in ("ppo", "grpo"):
         records[stage]["metrics"]["reward_hacking"] = "flagged"
     text = "\n".join(report.export_section(records, checkpoints))

@@ -1,0 +1,302 @@
+"""A language model out to llama.cpp and ollama: one GGUF file (weights, vocabulary, chat template) and an ollama
+``Modelfile`` beside it.
+
+Which llama.cpp architecture computes our model (``gguf_architecture``), the same pairing as the ``transformers``
+export (``plumbing/hf_weights.py``):
+
+=============  ====================  =========================================================================
+norm           position_embedding    llama.cpp architecture
+=============  ====================  =========================================================================
+layernorm      learned               ``gpt2``
+layernorm      rope (the demo)       ``gptneox`` with ``use_parallel_residual = false`` (sequential residuals,
+                                     as ours) and every head dimension rotated
+rmsnorm        either                refused: llama.cpp's ``arcee`` (our RMSNorm export for ``transformers``)
+                                     computes ReLU^2 without biases, and no other llama.cpp architecture pairs
+                                     RMSNorm with a plain (not gated) GELU MLP
+=============  ====================  =========================================================================
+
+Tensors (ggml names; a matrix is stored as ours, (out, in), which ggml reads as ``ne = {in, out}``)::
+
+    tok_emb.weight (V, E)                       token_embd.weight
+    pos_emb.weight (T, E)                       position_embd.weight              (gpt2 only)
+    trf_blocks.i.norm1.scale / shift            blk.i.attn_norm.weight / bias
+    att.W_query, W_key, W_value (E, E) each     blk.i.attn_qkv.weight (3E, E) = [q; k; v], bias (3E,)
+    att.out_proj                                blk.i.attn_output
+    trf_blocks.i.norm2.scale / shift            blk.i.ffn_norm.weight / bias
+    ff.layers.0 / ff.layers.2                   blk.i.ffn_up / blk.i.ffn_down
+    final_norm.scale / shift                    output_norm.weight / bias
+    out_head.weight, or tok_emb.weight (tied)   output.weight                     (gptneox always; gpt2 if untied)
+
+Both architectures add a q/k/v bias (zeros where ``qkv_bias`` is false). For rotary models the query and key rows
+move from our adjacent pairs (2i, 2i+1) to llama.cpp's NEOX halves (i, i + d_h/2) within each head, as for
+GPT-NeoX in ``transformers`` (``hf_weights.rope_to_halves``). GELU: both graphs use ggml's tanh GELU, ours.
+
+The vocabulary goes in as llama.cpp's WordPiece tokenizer (``tokenizer.ggml.model = "bert"``), lower-casing and
+stripping accents as BERT-Chinese does. llama.cpp marks the start of a word with "▁" where BERT marks the rest of
+a word with "##", so a word-initial piece ``x`` is stored as ``▁x`` and a continuation ``##x`` as ``x``. The
+characters we keep in reserved slots (newline, space, tab, U+3000, curly quotes, em dash, ellipsis: the
+``chinese_tokenizer.CHAR_SLOTS``) are user-defined tokens, which llama.cpp, like ``tokenizers``, cuts out of a text
+before anything else, so they encode to our ids; ``[PAD] [UNK] [CLS] [SEP] [MASK] [ANS]`` are control tokens
+(read in a text only when asked to parse special tokens, as a chat template is); the other ``[unusedN]`` slots are
+unused. Ids: bos = [CLS] (101), eos = [SEP] (102, where generation stops), unk 100, pad 0, sep 102, mask 103.
+
+llama.cpp's detokenizer writes "▁" as a space, so its text has a space before every Chinese character and every
+word ("你 好"); ``decode`` here glues pieces. ``llama_text`` undoes that for a list of ids. Its WordPiece tokenizer,
+asked to add special tokens (as llama.cpp's programs ask for every prompt), always puts [CLS] first, so the file
+says ``add_bos_token = true``: llama.cpp then takes the [CLS] that our chat template writes off the rendered text
+before adding its own, and a chat prompt starts with one [CLS], as ours do. A plain continuation in those programs
+starts with a [CLS] too, which our own pretraining documents do not (only uer's, ``GPTConfig.bos_id``).
+
+Number formats (``--gguf_type``): ``f32`` keeps every tensor; ``f16`` and ``q8_0`` (blocks of 32 int8 with an f16
+scale) apply to the matrices, while the norms, biases and the position table stay f32, as llama.cpp's converter
+does. In ``q8_0`` the output head stays f16 (a tied model gets a copy of its embedding as the head): the head
+decides the top token, and on the demo's held-out text an 8-bit head changes it at 2.0% of the positions, an f16
+head at 0.8% (bench/README.md). The file is written beside its destination and renamed into place.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import numpy as np
+import torch
+
+from chinese_tokenizer import (
+    ANSWER_TOKEN,
+    CHAR_SLOTS,
+    CHAT_TEMPLATE,
+    CLS_ID,
+    MASK_ID,
+    PAD_ID,
+    SEP_ID,
+    UNK_ID,
+    VOCAB_SIZE,
+)
+from gpt_model import GPTConfig, RewardModel
+from plumbing.cli import UserError
+from plumbing.hf_weights import ROPE_BASE, permute_heads, rope_to_halves
+
+GGUF_TYPES = ("f32", "f16", "q8_0")
+ARCHITECTURES = {("layernorm", "learned"): "gpt2", ("layernorm", "rope"): "gptneox"}
+NO_LLAMA_CPP = ("llama.cpp has no architecture for an RMSNorm model of ours: its arcee (the transformers export of "
+                "RMSNorm + rotary) computes ReLU^2 without biases, and none of the others pairs RMSNorm with a plain "
+                "GELU MLP; train with --norm layernorm to run the model in llama.cpp")
+CONTROL = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", ANSWER_TOKEN)
+WORD_START = "\u2581"  # llama.cpp's mark of a word-initial WordPiece token (BERT marks the others with "##")
+BLOCK = [("norm1.scale", "attn_norm.weight"), ("norm1.shift", "attn_norm.bias"),
+         ("att.out_proj.weight", "attn_output.weight"), ("att.out_proj.bias", "attn_output.bias"),
+         ("norm2.scale", "ffn_norm.weight"), ("norm2.shift", "ffn_norm.bias"),
+         ("ff.layers.0.weight", "ffn_up.weight"), ("ff.layers.0.bias", "ffn_up.bias"),
+         ("ff.layers.2.weight", "ffn_down.weight"), ("ff.layers.2.bias", "ffn_down.bias")]
+
+
+def llama_cpp_architecture(cfg: GPTConfig) -> str:
+    """The llama.cpp architecture that computes ``GPTModel(cfg)``'s function (module docstring's table).
+
+    Raises:
+        UserError: an RMSNorm model, which has no llama.cpp counterpart, saying why.
+    """
+    if cfg.norm != "layernorm":
+        raise UserError(f"--to_gguf: {NO_LLAMA_CPP}")
+    return ARCHITECTURES[(cfg.norm, cfg.position_embedding)]
+
+
+def gguf_architecture(model) -> str:
+    """``llama_cpp_architecture`` of a model; ``UserError`` for a reward model too (llama.cpp runs language
+    models)."""
+    if isinstance(model, RewardModel):
+        raise UserError("--to_gguf: a reward model has no llama.cpp counterpart (llama.cpp runs language models); "
+                        "export it with --to_hf")
+    return llama_cpp_architecture(model.cfg)
+
+
+def gguf_tensors(model, own_head: bool = False) -> dict[str, np.ndarray]:
+    """``model``'s weights under llama.cpp's names, float32 numpy arrays in the layout of the module docstring.
+    ``own_head`` writes ``output.weight`` for a tied GPT-2 too (llama.cpp's gpt2 otherwise reads the embedding).
+
+    Raises:
+        UserError: as ``gguf_architecture``.
+    """
+    arch, cfg = gguf_architecture(model), model.cfg
+    ours = {k: v.detach().to("cpu", torch.float32) for k, v in model.state_dict().items()}
+    out = {"token_embd.weight": ours["tok_emb.weight"], "output_norm.weight": ours["final_norm.scale"],
+           "output_norm.bias": ours["final_norm.shift"]}
+    if arch == "gpt2":
+        out["position_embd.weight"] = ours["pos_emb.weight"]
+    if not cfg.tie_embeddings:
+        out["output.weight"] = ours["out_head.weight"]
+    elif arch == "gptneox" or own_head:  # llama.cpp's gptneox always reads a head of its own
+        out["output.weight"] = ours["tok_emb.weight"]
+    e, h = cfg.emb_dim, cfg.n_heads
+    halves = rope_to_halves(e // h)
+    for i in range(cfg.n_layers):
+        att = f"trf_blocks.{i}.att."
+        weights = [ours[att + p + ".weight"] for p in ("W_query", "W_key", "W_value")]  # (E, E) each
+        biases = [ours[att + p + ".bias"] if cfg.qkv_bias else torch.zeros(e)
+                  for p in ("W_query", "W_key", "W_value")]  # (E,) each
+        if arch == "gptneox":  # NEOX rotary pairs dimension i with i + d_h/2
+            weights[:2] = [permute_heads(w, h, halves) for w in weights[:2]]
+            biases[:2] = [permute_heads(b, h, halves) for b in biases[:2]]
+        out[f"blk.{i}.attn_qkv.weight"] = torch.cat(weights)  # (3E, E)
+        out[f"blk.{i}.attn_qkv.bias"] = torch.cat(biases)  # (3E,)
+        for name, theirs in BLOCK:
+            out[f"blk.{i}.{theirs}"] = ours[f"trf_blocks.{i}.{name}"]
+    return {k: v.contiguous().numpy() for k, v in out.items()}
+
+
+def gguf_vocab(tokenizer) -> tuple[list[str], list[int]]:
+    """The vocabulary as llama.cpp's WordPiece tokenizer stores it: (token texts, token types), one per id.
+
+    Raises:
+        UserError: the tokenizer is not the project's 21128-id vocabulary.
+    """
+    from gguf import TokenType
+
+    tokens = tokenizer.convert_ids_to_tokens(list(range(VOCAB_SIZE)))
+    if len(tokenizer) != VOCAB_SIZE or tokens[CLS_ID] != "[CLS]":
+        raise UserError(f"--to_gguf needs the project's {VOCAB_SIZE}-id BERT-Chinese tokenizer")
+    chars = set(CHAR_SLOTS.values())
+    texts, types = [], []
+    for token in tokens:
+        if token in CONTROL:
+            texts.append(token)
+            types.append(TokenType.UNKNOWN if token == "[UNK]" else TokenType.CONTROL)
+        elif token in chars:
+            texts.append(token)
+            types.append(TokenType.USER_DEFINED)
+        elif token.startswith("[unused") and token.endswith("]"):
+            texts.append(token)
+            types.append(TokenType.UNUSED)
+        else:
+            texts.append(token[2:] if token.startswith("##") else WORD_START + token)
+            types.append(TokenType.NORMAL)
+    return texts, [int(t) for t in types]
+
+
+def llama_text(llm, ids) -> str:
+    """``ids`` as text the way ``chinese_tokenizer.decode`` writes it, read from a ``llama_cpp.Llama`` that holds
+    one of our GGUF files: llama.cpp's piece of each id, without the space its detokenizer writes for the word mark
+    in front of every normal piece (a space, tab or U+3000 of the text is a user-defined token and stays); control
+    tokens give nothing and [UNK] stays visible, as in ``decode``."""
+    import ctypes
+
+    import llama_cpp
+
+    vocab, buffer, text = llm._model.vocab, ctypes.create_string_buffer(64), []
+    for i in ids:
+        if i == UNK_ID:
+            text.append("[UNK]")
+            continue
+        normal = bool(llama_cpp.llama_vocab_get_attr(vocab, i) & llama_cpp.LLAMA_TOKEN_ATTR_NORMAL)
+        n = llama_cpp.llama_token_to_piece(vocab, i, buffer, len(buffer), int(normal), False)  # lstrip: the mark
+        text.append(buffer.raw[:n].decode("utf-8"))
+    return "".join(text)
+
+
+def _quantized(name: str, array: np.ndarray, gguf_type: str):
+    """(data, raw_dtype) for ``add_tensor``: matrices in the chosen type, everything else float32."""
+    from gguf import GGMLQuantizationType, quants
+
+    if gguf_type == "f32" or array.ndim != 2 or name == "position_embd.weight":
+        return array, None
+    if gguf_type == "f16" or name == "output.weight":
+        return array.astype(np.float16), None
+    if array.shape[1] % 32:
+        raise UserError(f"--gguf_type q8_0 needs rows that are a multiple of 32 long; {name} has {array.shape[1]}; "
+                        f"use --gguf_type f16")
+    return quants.quantize(array, GGMLQuantizationType.Q8_0), GGMLQuantizationType.Q8_0
+
+
+def save_gguf(model, path: str, tokenizer, gguf_type: str = "f32", chat: bool = False, name: str = "model",
+              overwrite: bool = False) -> str:
+    """Write ``model`` (a ``GPTModel``) and ``tokenizer`` as one GGUF file for llama.cpp, written beside ``path``
+    and renamed into place. With ``chat`` (a model trained on the chat template) the file carries
+    ``CHAT_TEMPLATE``, which llama.cpp's Jinja chat path (``--jinja``, llama-cpp-python's chat completion) renders.
+    Returns the llama.cpp architecture written.
+
+    Raises:
+        UserError: no llama.cpp counterpart (``gguf_architecture``), an unknown ``gguf_type``, ``path`` exists
+            without ``overwrite`` or is a directory, or the write fails.
+    """
+    import gguf
+
+    arch = gguf_architecture(model)  # refuses before touching the disk
+    if gguf_type not in GGUF_TYPES:
+        raise UserError(f"--gguf_type {gguf_type!r}: choose one of {', '.join(GGUF_TYPES)}")
+    if os.path.isdir(path):
+        raise UserError(f"--to_gguf {path} is a directory; give a file name such as {os.path.join(path, name)}.gguf")
+    if os.path.exists(path) and not overwrite:
+        raise UserError(f"--to_gguf {path} already exists; pass --overwrite to replace it, or choose another file")
+    cfg: GPTConfig = model.cfg
+    tensors = {k: _quantized(k, v, gguf_type) for k, v in gguf_tensors(model, own_head=gguf_type == "q8_0").items()}
+    texts, types = gguf_vocab(tokenizer)
+    parent = os.path.dirname(os.path.abspath(path))
+    os.makedirs(parent, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.tmp-", dir=parent)
+    os.close(fd)
+    try:
+        writer = gguf.GGUFWriter(tmp, arch)
+        writer.add_name(name)
+        writer.add_file_type({"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
+                              "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[gguf_type])
+        if gguf_type == "q8_0":
+            writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+        writer.add_context_length(cfg.context_length)
+        writer.add_embedding_length(cfg.emb_dim)
+        writer.add_block_count(cfg.n_layers)
+        writer.add_feed_forward_length(4 * cfg.emb_dim)
+        writer.add_head_count(cfg.n_heads)
+        writer.add_layer_norm_eps(cfg.layer_norm_eps)
+        if arch == "gptneox":
+            writer.add_rope_dimension_count(cfg.emb_dim // cfg.n_heads)  # every dimension of a head rotates
+            writer.add_rope_freq_base(ROPE_BASE)
+            writer.add_parallel_residual(False)
+        writer.add_tokenizer_model("bert")
+        writer.add_tokenizer_pre("default")
+        writer.add_token_list(texts)
+        writer.add_token_types(types)
+        writer.add_bool(gguf.Keys.Tokenizer.NORMALIZER_LOWERCASE if hasattr(gguf.Keys.Tokenizer, "NORMALIZER_LOWERCASE")
+                        else "tokenizer.ggml.normalizer.lowercase", True)
+        writer.add_bos_token_id(CLS_ID)
+        writer.add_eos_token_id(SEP_ID)
+        writer.add_unk_token_id(UNK_ID)
+        writer.add_sep_token_id(SEP_ID)
+        writer.add_pad_token_id(PAD_ID)
+        writer.add_mask_token_id(MASK_ID)
+        writer.add_uint32("tokenizer.ggml.cls_token_id", CLS_ID)
+        writer.add_add_bos_token(True)  # what llama.cpp's WordPiece tokenizer does anyway (module docstring)
+        writer.add_add_eos_token(False)
+        writer.add_add_sep_token(False)
+        if chat:
+            writer.add_chat_template(CHAT_TEMPLATE)
+        for key, (data, raw_dtype) in tensors.items():
+            writer.add_tensor(key, data, raw_dtype=raw_dtype)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        os.replace(tmp, path)
+    except OSError as e:
+        raise UserError(f"could not write --to_gguf {path}: {e.strerror or e}; free some disk space or choose "
+                        f"another file") from e
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    return arch
+
+
+def modelfile(gguf_path: str, chat: bool) -> str:
+    """An ollama ``Modelfile`` for the GGUF file at ``gguf_path`` (named relative to the Modelfile's folder): the
+    chat layout of ``CHAT_TEMPLATE`` in ollama's Go template for a chat model, the bare prompt otherwise, and
+    [SEP] as the stop token. The template leaves out the leading [CLS], which llama.cpp's tokenizer adds."""
+    if chat:
+        template = ('{{ if .System }}{{ .System }}[SEP]{{ end }}{{ range .Messages }}'
+                    '{{ if eq .Role "user" }}{{ .Content }}[ANS]{{ else if eq .Role "assistant" }}{{ .Content }}[SEP]'
+                    '{{ end }}{{ end }}')
+    else:
+        template = "{{ .Prompt }}"
+    return (f"# ollama create NAME -f {os.path.basename(gguf_path)}.Modelfile, then: ollama run NAME\n"
+            f"FROM ./{os.path.basename(gguf_path)}\n"
+            f'TEMPLATE """{template}"""\n'
+            f'PARAMETER stop "[SEP]"\n')
