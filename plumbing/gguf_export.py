@@ -81,7 +81,8 @@ GGUF_TYPES = ("f32", "f16", "q8_0")
 ARCHITECTURES = {("layernorm", "learned"): "gpt2", ("layernorm", "rope"): "gptneox"}
 NO_LLAMA_CPP = ("llama.cpp has no architecture for an RMSNorm model of ours: its arcee (the transformers export of "
                 "RMSNorm + rotary) computes ReLU^2 without biases, and none of the others pairs RMSNorm with a plain "
-                "GELU MLP; train with --norm layernorm to run the model in llama.cpp")
+                "GELU MLP; a model built with GPTConfig(norm='layernorm') goes there, and this one leaves with --to_hf "
+                "(as Arcee)")
 CONTROL = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", ANSWER_TOKEN)
 WORD_START = "\u2581"  # llama.cpp's mark of a word-initial WordPiece token (BERT marks the others with "##")
 BLOCK = [("norm1.scale", "attn_norm.weight"), ("norm1.shift", "attn_norm.bias"),

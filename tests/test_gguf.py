@@ -310,17 +310,21 @@ def test_modelfile_names_the_file_the_template_and_the_stop_token():
 def test_rmsnorm_and_reward_models_are_refused_before_writing(tmp_path, tokenizer):
     rms = GPTModel(GPTConfig(context_length=64, emb_dim=32, n_heads=4, n_layers=1, norm="rmsnorm",
                              position_embedding="rope"))
-    with pytest.raises(UserError, match="no architecture for an RMSNorm model.*--norm layernorm"):
+    with pytest.raises(UserError, match="no architecture for an RMSNorm model.*--to_hf"):
         save_gguf(rms, str(tmp_path / "r.gguf"), tokenizer)
     with pytest.raises(UserError, match="reward model has no llama.cpp counterpart.*--to_hf"):
         save_gguf(RewardModel(config("learned", True, False)), str(tmp_path / "rm.gguf"), tokenizer)
     assert list(tmp_path.iterdir()) == []
 
 
-def test_cli_refuses_in_one_line_and_keeps_what_exists(tmp_path, capsys, chat_checkpoint):
+def test_cli_refuses_in_one_line_and_keeps_what_exists(tmp_path, capsys, tokenizer, chat_checkpoint):
+    rms = tmp_path / "rms"
+    save_checkpoint(str(rms), GPTModel(config("rope", True, False).replace(norm="rmsnorm")), tokenizer,
+                    {"stage": "sft"})
     target = tmp_path / "m.gguf"
     target.write_bytes(b"keep me")
     for args, words in [
+        (("--checkpoint", rms, "--to_gguf", tmp_path / "x.gguf"), "llama.cpp has no architecture for an RMSNorm"),
         (("--checkpoint", chat_checkpoint, "--to_gguf", target), "already exists; pass --overwrite"),
         (("--checkpoint", chat_checkpoint, "--to_gguf", tmp_path / "x.gguf", "--peft"), "drop --peft"),
         (("--checkpoint", chat_checkpoint, "--to_gguf", tmp_path / "x.gguf", "--to_hf", tmp_path / "h"),
@@ -332,7 +336,7 @@ def test_cli_refuses_in_one_line_and_keeps_what_exists(tmp_path, capsys, chat_ch
         assert code == 2, (args, err)
         assert words in err and len(err.strip().splitlines()) == 1, err
     assert target.read_bytes() == b"keep me"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf", "rms"]
     code, out, err = run_load_weight(capsys, "--checkpoint", chat_checkpoint, "--to_gguf", target, "--gguf_type",
                                      "q8_0", "--overwrite")
     assert code == 0, err
