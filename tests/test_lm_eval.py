@@ -51,18 +51,25 @@ def setup(tmp_path_factory, tokenizer, fitted_models):
     return root / "hf", tasks, problems
 
 
-def evaluate(model_dir, tasks, task, chat, prefix=None):
+@pytest.fixture(scope="module")
+def results(setup):
+    """One lm-eval run of both tasks (one model load instead of two): the chat template applied, as the README
+    runs the sentiment task (lm-eval applies no template to a rolling likelihood, so the perplexity task is scored
+    as the README runs it without the flag, which the equality with ours below shows), and [SEP] before each
+    document."""
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager
 
-    args = f"pretrained={model_dir},dtype=float32" + (f",prefix_token_id={prefix}" if prefix is not None else "")
-    return simple_evaluate(model="hf", model_args=args, tasks=[task], task_manager=TaskManager(include_path=str(tasks)),
-                           apply_chat_template=chat, log_samples=True, batch_size=1, device="cpu")
+    model_dir, tasks, _ = setup
+    return simple_evaluate(model="hf", model_args=f"pretrained={model_dir},dtype=float32,prefix_token_id={SEP_ID}",
+                           tasks=["zh_sentiment_mc", "zh_val_perplexity"],
+                           task_manager=TaskManager(include_path=str(tasks)), apply_chat_template=True,
+                           log_samples=True, batch_size=1, device="cpu")
 
 
-def test_sentiment_accuracy_equals_ours_problem_by_problem(setup, tokenizer, fitted_models):
-    model_dir, tasks, problems = setup
-    out = evaluate(model_dir, tasks, "zh_sentiment_mc", chat=True)
+def test_sentiment_accuracy_equals_ours_problem_by_problem(setup, results, tokenizer, fitted_models):
+    _, _, problems = setup
+    out = results
     accuracy, picked = harness.multiple_choice_accuracy(fitted_models["rope"], tokenizer, problems, ["正面", "负面"])
     samples = sorted(out["samples"]["zh_sentiment_mc"], key=lambda s: s["doc_id"])
     theirs = [max(range(2), key=lambda i: (s["filtered_resps"][i][0], -i)) for s in samples]
@@ -76,10 +83,9 @@ def test_sentiment_accuracy_equals_ours_problem_by_problem(setup, tokenizer, fit
     assert math.isclose(samples[0]["filtered_resps"][1][0], ours, rel_tol=1e-5, abs_tol=1e-4)
 
 
-def test_perplexity_per_byte_equals_ours(setup, tokenizer, fitted_models):
-    model_dir, tasks, _ = setup
+def test_perplexity_per_byte_equals_ours(results, tokenizer, fitted_models):
     assert len(encode(DOCUMENTS[0], tokenizer)) > 2 * 128  # three windows of the 128-position model
-    out = evaluate(model_dir, tasks, "zh_val_perplexity", chat=False, prefix=SEP_ID)
+    out = results
     perplexity, bits = harness.byte_perplexity(fitted_models["rope"], tokenizer, DOCUMENTS)
     # document by document (the aggregate alone would hide a wrong first window: its error is spread over all bytes)
     samples = sorted(out["samples"]["zh_val_perplexity"], key=lambda s: s["doc_id"])
