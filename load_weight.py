@@ -44,7 +44,7 @@ from plumbing.checkpoint import (
     save_checkpoint,
 )
 from plumbing.cli import ArgumentParser, UserError, default_path, run
-from plumbing.gguf_export import GGUF_TYPES, modelfile, save_gguf
+from plumbing.gguf_export import GGUF_TYPES, modelfile, modelfile_path, save_gguf, temporary_beside
 from plumbing.hf_weights import hf_weight_files, import_tokenizer, load_hf_model, save_hf_model, save_peft_adapter
 
 EXAMPLES = """examples:
@@ -93,9 +93,9 @@ def parse_args(argv=None):
     p.add_argument("--to_gguf", metavar="FILE",
                    help="where --checkpoint writes a language model as one GGUF file for llama.cpp, with an ollama "
                         "Modelfile beside it")
-    p.add_argument("--gguf_type", choices=GGUF_TYPES, default="f32",
-                   help="number format of the GGUF file's matrices (default: %(default)s; q8_0 is about a quarter "
-                        "of f32's size)")
+    p.add_argument("--gguf_type", choices=GGUF_TYPES,
+                   help="number format of the GGUF file's matrices (default: f32; f16 is half its size, q8_0, whose "
+                        "output head stays f16, about a third)")
     p.add_argument("--peft", action="store_true",
                    help="with --to_hf and a LoRA checkpoint: write the base model to DIR/base and the adapters as a "
                         "peft adapter to DIR/adapter, instead of one model with the adapters merged in")
@@ -105,7 +105,8 @@ def parse_args(argv=None):
     p.add_argument("--tokenizer", metavar="DIR",
                    help="tokenizer for --from_hf (default: the HF directory's own vocab.txt if it is the "
                         "bert-base-chinese vocabulary, else data/tokenizer)")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing output directory")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an existing output (a directory, or the GGUF file and its Modelfile)")
     args = p.parse_args(argv)
     outputs = [flag for flag in ("to_hf", "to_gguf", "merge") if getattr(args, flag)]
     if args.checkpoint and not outputs:
@@ -119,8 +120,11 @@ def parse_args(argv=None):
         p.error("--peft goes with --checkpoint and --to_hf")
     if args.from_hf and (args.to_hf or args.to_gguf):
         p.error("--to_hf and --to_gguf go with --checkpoint; with --from_hf use --to_checkpoint")
-    if args.gguf_type != "f32" and not args.to_gguf:
+    if args.gguf_type and not args.to_gguf:
         p.error("--gguf_type goes with --to_gguf")
+    if args.to_gguf and not args.to_gguf.endswith(".gguf"):
+        p.error(f"--to_gguf {args.to_gguf}: name the file NAME.gguf (its ollama Modelfile goes beside it as "
+                f"NAME.Modelfile)")
     return args
 
 
@@ -172,8 +176,7 @@ def export_gguf(args) -> int:
     """``--to_gguf FILE``: a language model checkpoint as one GGUF file (``gguf_export.save_gguf``; a LoRA
     checkpoint merged first) and its ollama ``Modelfile`` beside it. ``UserError`` for what llama.cpp cannot run
     and for an existing output without ``--overwrite``."""
-    path = args.to_gguf
-    recipe = os.path.splitext(path)[0] + ".Modelfile"
+    path, recipe, gguf_type = args.to_gguf, modelfile_path(args.to_gguf), args.gguf_type or "f32"
     if os.path.exists(recipe) and not args.overwrite:
         raise UserError(f"{recipe} (the ollama Modelfile written beside --to_gguf) already exists; pass --overwrite "
                         f"to replace it, or choose another file")
@@ -181,13 +184,13 @@ def export_gguf(args) -> int:
     chat = config.get("stage") in CHAT_STAGES
     merge_lora(model)
     name = os.path.basename(os.path.normpath(args.checkpoint))
-    arch = save_gguf(model, path, tokenizer, args.gguf_type, chat=chat, name=name, overwrite=args.overwrite)
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(recipe)}.tmp-", dir=os.path.dirname(os.path.abspath(recipe)))
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        f.write(modelfile(path, chat))
+    arch = save_gguf(model, path, tokenizer, gguf_type, chat=chat, name=name, overwrite=args.overwrite)
+    tmp = temporary_beside(recipe)  # the folder was just written to
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(modelfile(path, chat, model.cfg.context_length))
     os.replace(tmp, recipe)
     size = os.path.getsize(path) / 1e6
-    print(f"wrote {path} ({arch} in llama.cpp's terms, {args.gguf_type}, {size:.1f} MB"
+    print(f"wrote {path} ({arch} in llama.cpp's terms, {gguf_type}, {size:.1f} MB"
           f"{', with the chat template' if chat else ''}) and {recipe}: llama-cli -m {path}"
           f"{' --jinja -cnv' if chat else ''}, or ollama create {name} -f {recipe}")
     return 0

@@ -38,14 +38,21 @@ characters we keep in reserved slots (newline, space, tab, U+3000, curly quotes,
 ``chinese_tokenizer.CHAR_SLOTS``) are user-defined tokens, which llama.cpp, like ``tokenizers``, cuts out of a text
 before anything else, so they encode to our ids; ``[PAD] [UNK] [CLS] [SEP] [MASK] [ANS]`` are control tokens
 (read in a text only when asked to parse special tokens, as a chat template is); the other ``[unusedN]`` slots are
-unused. Ids: bos = [CLS] (101), eos = [SEP] (102, where generation stops), unk 100, pad 0, sep 102, mask 103.
+unused.
+
+llama.cpp's programs (``llama-cli``, ``llama-server``) tokenize every prompt with its special tokens added, and
+its WordPiece tokenizer then wraps it BERT's way, ``bos text sep``, whatever the file's ``add_*_token`` keys say;
+llama-cpp-python's ``create_chat_completion`` adds none. For a chat model the file makes both give the prompt
+``chat_messages_ids`` makes: sep is [ANS], the token that asks for the answer, and ``GGUF_CHAT_TEMPLATE`` leaves
+the last [ANS] to that tokenizer where llama.cpp's programs render it (they, and not llama-cpp-python, set the
+variable ``enable_thinking``); with ``add_bos_token`` they also take the template's own [CLS] off before adding
+theirs. A pretrained model has no such token: its sep is [SEP], so those programs end every prompt with [SEP] (a
+new document starts); text is continued as ours only from ids given without them (llama-cpp-python's
+``tokenize(..., add_bos=False)``, or ``llama-server``'s ``/completion`` with a prompt of ids). eos is [SEP]
+(102), where generation stops.
 
 llama.cpp's detokenizer writes "▁" as a space, so its text has a space before every Chinese character and every
-word ("你 好"); ``decode`` here glues pieces. ``llama_text`` undoes that for a list of ids. Its WordPiece tokenizer,
-asked to add special tokens (as llama.cpp's programs ask for every prompt), always puts [CLS] first, so the file
-says ``add_bos_token = true``: llama.cpp then takes the [CLS] that our chat template writes off the rendered text
-before adding its own, and a chat prompt starts with one [CLS], as ours do. A plain continuation in those programs
-starts with a [CLS] too, which our own pretraining documents do not (only uer's, ``GPTConfig.bos_id``).
+word ("你 好"); ``decode`` here glues pieces. ``llama_text`` undoes that for a list of ids.
 
 Number formats (``--gguf_type``): ``f32`` keeps every tensor; ``f16`` and ``q8_0`` (blocks of 32 int8 with an f16
 scale) apply to the matrices, while the norms, biases and the position table stay f32, as llama.cpp's converter
@@ -63,6 +70,7 @@ import numpy as np
 import torch
 
 from chinese_tokenizer import (
+    ANSWER_ID,
     ANSWER_TOKEN,
     CHAR_SLOTS,
     CHAT_TEMPLATE,
@@ -84,6 +92,17 @@ NO_LLAMA_CPP = ("llama.cpp has no architecture for an RMSNorm model of ours: its
                 "GELU MLP; a model built with GPTConfig(norm='layernorm') goes there, and this one leaves with --to_hf "
                 "(as Arcee)")
 CONTROL = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", ANSWER_TOKEN)
+# gguf's key names (``tokenizer.ggml.<name>``) for the special ids
+SPECIAL_KEYS = {"bos": "bos_token_id", "eos": "eos_token_id", "unk": "unknown_token_id",
+                "sep": "seperator_token_id", "pad": "padding_token_id", "mask": "mask_token_id", "cls": "cls_token_id"}
+# CHAT_TEMPLATE, but the [ANS] after the last user turn is left out where llama.cpp's programs render it: their
+# WordPiece tokenizer appends sep, [ANS], to the prompt (module docstring). They set enable_thinking for every
+# template; llama-cpp-python, which appends nothing, does not.
+GGUF_CHAT_TEMPLATE = CHAT_TEMPLATE.replace(
+    "{{ message['content'] + ('[ANS]' if message['role'] == 'user' else '[SEP]') }}",
+    "{{ message['content'] + ('[SEP]' if message['role'] != 'user' else '' if loop.last and enable_thinking is "
+    "defined else '[ANS]') }}")
+assert GGUF_CHAT_TEMPLATE != CHAT_TEMPLATE
 WORD_START = "\u2581"  # llama.cpp's mark of a word-initial WordPiece token (BERT marks the others with "##")
 BLOCK = [("norm1.scale", "attn_norm.weight"), ("norm1.shift", "attn_norm.bias"),
          ("att.out_proj.weight", "attn_output.weight"), ("att.out_proj.bias", "attn_output.bias"),
@@ -175,6 +194,13 @@ def gguf_vocab(tokenizer) -> tuple[list[str], list[int]]:
     return texts, [int(t) for t in types]
 
 
+def special_ids(chat: bool) -> dict[str, int]:
+    """The special ids the file gives llama.cpp (module docstring): bos [CLS], eos [SEP], unk, pad and mask as
+    ours; sep, which llama.cpp's programs put after every prompt, [ANS] for a chat model and [SEP] otherwise."""
+    return {"bos": CLS_ID, "eos": SEP_ID, "unk": UNK_ID, "pad": PAD_ID, "mask": MASK_ID, "cls": CLS_ID,
+            "sep": ANSWER_ID if chat else SEP_ID}
+
+
 def llama_text(llm, ids) -> str:
     """``ids`` as text the way ``chinese_tokenizer.decode`` writes it, read from a ``llama_cpp.Llama`` that holds
     one of our GGUF files: llama.cpp's piece of each id, without the space its detokenizer writes for the word mark
@@ -232,11 +258,9 @@ def save_gguf(model, path: str, tokenizer, gguf_type: str = "f32", chat: bool = 
     cfg: GPTConfig = model.cfg
     tensors = {k: _quantized(k, v, gguf_type) for k, v in gguf_tensors(model, own_head=gguf_type == "q8_0").items()}
     texts, types = gguf_vocab(tokenizer)
-    parent = os.path.dirname(os.path.abspath(path))
-    os.makedirs(parent, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.tmp-", dir=parent)
-    os.close(fd)
+    tmp = None
     try:
+        tmp = temporary_beside(path)
         writer = gguf.GGUFWriter(tmp, arch)
         writer.add_name(name)
         writer.add_file_type({"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
@@ -259,18 +283,14 @@ def save_gguf(model, path: str, tokenizer, gguf_type: str = "f32", chat: bool = 
         writer.add_token_types(types)
         writer.add_bool(gguf.Keys.Tokenizer.NORMALIZER_LOWERCASE if hasattr(gguf.Keys.Tokenizer, "NORMALIZER_LOWERCASE")
                         else "tokenizer.ggml.normalizer.lowercase", True)
-        writer.add_bos_token_id(CLS_ID)
-        writer.add_eos_token_id(SEP_ID)
-        writer.add_unk_token_id(UNK_ID)
-        writer.add_sep_token_id(SEP_ID)
-        writer.add_pad_token_id(PAD_ID)
-        writer.add_mask_token_id(MASK_ID)
-        writer.add_uint32("tokenizer.ggml.cls_token_id", CLS_ID)
-        writer.add_add_bos_token(True)  # what llama.cpp's WordPiece tokenizer does anyway (module docstring)
+        for kind, token in special_ids(chat).items():
+            writer.add_uint32(f"tokenizer.ggml.{SPECIAL_KEYS[kind]}", token)
+        # what llama.cpp's WordPiece tokenizer does when it adds special tokens: bos first, sep last (docstring)
+        writer.add_add_bos_token(True)
         writer.add_add_eos_token(False)
-        writer.add_add_sep_token(False)
+        writer.add_add_sep_token(True)
         if chat:
-            writer.add_chat_template(CHAT_TEMPLATE)
+            writer.add_chat_template(GGUF_CHAT_TEMPLATE)
         for key, (data, raw_dtype) in tensors.items():
             writer.add_tensor(key, data, raw_dtype=raw_dtype)
         writer.write_header_to_file()
@@ -279,25 +299,48 @@ def save_gguf(model, path: str, tokenizer, gguf_type: str = "f32", chat: bool = 
         writer.close()
         os.replace(tmp, path)
     except OSError as e:
-        raise UserError(f"could not write --to_gguf {path}: {e.strerror or e}; free some disk space or choose "
-                        f"another file") from e
+        raise UserError(f"could not write --to_gguf {path}: {e.strerror or e}; choose a file in a folder you can "
+                        f"write to, with room for it") from e
     finally:
-        if os.path.exists(tmp):
+        if tmp is not None and os.path.exists(tmp):
             os.remove(tmp)
     return arch
 
 
-def modelfile(gguf_path: str, chat: bool) -> str:
+def temporary_beside(path: str) -> str:
+    """An empty temporary file in ``path``'s folder (created if need be), to be renamed to ``path``, readable as
+    the umask allows (``mkstemp`` alone makes it private). ``OSError`` when the folder cannot be written."""
+    parent = os.path.dirname(os.path.abspath(path))
+    os.makedirs(parent, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.tmp-", dir=parent)
+    os.close(fd)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)
+    return tmp
+
+
+def modelfile_path(gguf_path: str) -> str:
+    """Where the ollama ``Modelfile`` of ``gguf_path`` goes: beside it, ``.gguf`` replaced by ``.Modelfile``."""
+    return gguf_path.removesuffix(".gguf") + ".Modelfile"
+
+
+def modelfile(gguf_path: str, chat: bool, context_length: int) -> str:
     """An ollama ``Modelfile`` for the GGUF file at ``gguf_path`` (named relative to the Modelfile's folder): the
-    chat layout of ``CHAT_TEMPLATE`` in ollama's Go template for a chat model, the bare prompt otherwise, and
-    [SEP] as the stop token. The template leaves out the leading [CLS], which llama.cpp's tokenizer adds."""
+    chat layout of ``CHAT_TEMPLATE`` in ollama's Go template for a chat model, the bare prompt otherwise; [SEP] as
+    the stop token; the model's context as ollama's (its default is longer than our position table). As llama.cpp's
+    programs do (module docstring), the template leaves the first [CLS] and the last [ANS] to the tokenizer, which
+    adds them around the prompt; this assumes ollama tokenizes with the special tokens added, as they do."""
     if chat:
-        template = ('{{ if .System }}{{ .System }}[SEP]{{ end }}{{ range .Messages }}'
-                    '{{ if eq .Role "user" }}{{ .Content }}[ANS]{{ else if eq .Role "assistant" }}{{ .Content }}[SEP]'
-                    '{{ end }}{{ end }}')
+        template = ('{{ if .System }}{{ .System }}[SEP]{{ end }}{{ range $i, $m := .Messages }}'
+                    '{{ $last := eq (len (slice $.Messages $i)) 1 }}'
+                    '{{ if eq .Role "user" }}{{ .Content }}{{ if not $last }}[ANS]{{ end }}'
+                    '{{ else if eq .Role "assistant" }}{{ .Content }}[SEP]{{ end }}{{ end }}')
     else:
         template = "{{ .Prompt }}"
-    return (f"# ollama create NAME -f {os.path.basename(gguf_path)}.Modelfile, then: ollama run NAME\n"
-            f"FROM ./{os.path.basename(gguf_path)}\n"
+    name = os.path.basename(gguf_path)
+    return (f"# ollama create NAME -f {os.path.basename(modelfile_path(gguf_path))}, then: ollama run NAME\n"
+            f"FROM ./{name}\n"
             f'TEMPLATE """{template}"""\n'
-            f'PARAMETER stop "[SEP]"\n')
+            f'PARAMETER stop "[SEP]"\n'
+            f"PARAMETER num_ctx {context_length}\n")

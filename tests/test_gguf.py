@@ -25,13 +25,13 @@ import pytest
 import torch
 
 import load_weight
-from chinese_tokenizer import CHAT_TEMPLATE, EOS_ID, chat_messages_ids, encode
+from chinese_tokenizer import ANSWER_ID, EOS_ID, chat_messages_ids, encode
 from conftest import POEMS
 from gpt_model import GELU, GPTConfig, GPTModel, RewardModel, generate
 from lora import add_lora, merge_lora
 from plumbing.checkpoint import load_checkpoint, save_checkpoint
 from plumbing.cli import UserError, run
-from plumbing.gguf_export import gguf_vocab, llama_text, modelfile, save_gguf
+from plumbing.gguf_export import GGUF_CHAT_TEMPLATE, gguf_vocab, llama_text, modelfile, modelfile_path, save_gguf
 
 llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is in requirements.txt; `make venv` builds it")
 
@@ -263,9 +263,7 @@ def test_chat_model_continues_greedily_as_generate_py(tmp_path, capsys, tokenize
     our_model, _, _ = load_checkpoint(str(chat_checkpoint))
     llm = llama(tmp_path / "chat.gguf")
     try:
-        assert llm.metadata["tokenizer.chat_template"] == CHAT_TEMPLATE
-        # a prompt tokenized with its special tokens added starts with one [CLS] (llama.cpp strips the template's)
-        assert llm.tokenize("你好".encode(), add_bos=True, special=True)[0] == 101
+        assert llm.metadata["tokenizer.chat_template"] == GGUF_CHAT_TEMPLATE
         for prompt, text in zip(prompts, answers, strict=True):
             prompt_ids = chat_messages_ids([("user", prompt)], tokenizer)
             llm.reset()
@@ -278,29 +276,67 @@ def test_chat_model_continues_greedily_as_generate_py(tmp_path, capsys, tokenize
         llm.close()
 
 
-def test_stored_chat_template_renders_our_chat_prompt(tmp_path, tokenizer, fitted_models):
+MESSAGES = [{"role": "system", "content": "你是助手。"}, {"role": "user", "content": "你好"},
+            {"role": "assistant", "content": "你好！"}, {"role": "user", "content": "写一条好评："}]
+
+
+def test_a_chat_prompt_is_ours_in_llama_cpp_python_and_in_llama_cpps_programs(tmp_path, tokenizer, fitted_models):
+    """Both ways a chat prompt reaches llama.cpp's tokenizer give ``chat_messages_ids``: llama-cpp-python's chat
+    formatter renders the stored template and adds no special tokens; llama.cpp's programs render it with
+    ``enable_thinking`` set (common/chat.cpp), take the bos text off when the file says they add bos, and tokenize
+    with the special tokens added, which a WordPiece vocabulary wraps as bos ... sep."""
+    import jinja2
     from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
     save_gguf(fitted_models["rope"], str(tmp_path / "c.gguf"), tokenizer, chat=True)
+    ours = chat_messages_ids([(m["role"], m["content"]) for m in MESSAGES], tokenizer)
     llm = llama(tmp_path / "c.gguf")
     try:
-        formatter = Jinja2ChatFormatter(template=llm.metadata["tokenizer.chat_template"], eos_token="[SEP]",
-                                        bos_token="[CLS]")
-        messages = [{"role": "system", "content": "你是助手。"}, {"role": "user", "content": "你好"},
-                    {"role": "assistant", "content": "你好！"}, {"role": "user", "content": "写一条好评："}]
-        prompt = formatter(messages=messages).prompt
-        ids = llm.tokenize(prompt.encode("utf-8"), add_bos=False, special=True)
-        assert ids == chat_messages_ids([(m["role"], m["content"]) for m in messages], tokenizer)
+        meta = llm.metadata
+        bos, eos = (llm.detokenize([int(meta[f"tokenizer.ggml.{k}_token_id"])], special=True).decode()
+                    for k in ("bos", "eos"))
+        formatter = Jinja2ChatFormatter(template=meta["tokenizer.chat_template"], eos_token=eos, bos_token=bos)
+        prompt = formatter(messages=MESSAGES).prompt
+        assert llm.tokenize(prompt.encode("utf-8"), add_bos=False, special=True) == ours
+        rendered = jinja2.Template(meta["tokenizer.chat_template"]).render(
+            messages=MESSAGES, bos_token=bos, eos_token=eos, enable_thinking=False, add_generation_prompt=True)
+        if meta["tokenizer.ggml.add_bos_token"] == "true" and rendered.startswith(bos):
+            rendered = rendered[len(bos):]
+        if meta["tokenizer.ggml.add_eos_token"] == "true" and rendered.endswith(eos):
+            rendered = rendered[:-len(eos)]
+        assert llm.tokenize(rendered.encode("utf-8"), add_bos=True, special=True) == ours
+        assert llm.token_eos() == EOS_ID and int(meta["tokenizer.ggml.seperator_token_id"]) == ANSWER_ID
+        # and llama-cpp-python's own chat completion answers as our greedy decoding does
+        answer = llm.create_chat_completion(messages=MESSAGES, temperature=0.0, max_tokens=12)
+        greedy = generate(fitted_models["rope"], torch.tensor([ours]), 12, 128, temperature=0.0, eos_id=EOS_ID)
+        expected = [t for t in greedy[0, len(ours):].tolist() if t != EOS_ID]
+        assert expected and answer["choices"][0]["message"]["content"] == llm.detokenize(expected).decode()
+    finally:
+        llm.close()
+
+
+def test_llama_cpps_programs_end_a_plain_prompt_with_sep(tmp_path, tokenizer, fitted_models):
+    """A pretrained model's file: llama.cpp's programs wrap a prompt as [CLS] text [SEP] (WordPiece's rule, which
+    no key of the file turns off), so text is continued as ours only from ids without them."""
+    save_gguf(fitted_models["rope"], str(tmp_path / "p.gguf"), tokenizer)
+    llm = llama(tmp_path / "p.gguf")
+    try:
+        ids = encode("床前明月光", tokenizer)
+        assert llm.tokenize("床前明月光".encode(), add_bos=True, special=True) == [101, *ids, EOS_ID]
+        assert llm.tokenize("床前明月光".encode(), add_bos=False, special=False) == ids
+        assert llm.token_eos() == EOS_ID
     finally:
         llm.close()
 
 
 def test_modelfile_names_the_file_the_template_and_the_stop_token():
-    chat = modelfile("out/ppo.gguf", chat=True)
-    assert "FROM ./ppo.gguf" in chat and 'PARAMETER stop "[SEP]"' in chat
-    assert "[ANS]" in chat and "{{ .Content }}" in chat
-    assert "[CLS]" not in chat  # llama.cpp's WordPiece tokenizer puts it first
-    assert 'TEMPLATE """{{ .Prompt }}"""' in modelfile("out/base.gguf", chat=False)
+    chat = modelfile("out/ppo.gguf", chat=True, context_length=256)
+    assert chat.startswith("# ollama create NAME -f ppo.Modelfile") and modelfile_path("out/ppo.gguf") == \
+        "out/ppo.Modelfile"
+    assert "FROM ./ppo.gguf" in chat and 'PARAMETER stop "[SEP]"' in chat and "PARAMETER num_ctx 256" in chat
+    assert "[ANS]{{ end }}" in chat and "{{ if not $last }}" in chat and "{{ .Content }}" in chat
+    assert "[CLS]" not in chat  # the tokenizer adds it, and the last [ANS], as in llama.cpp's programs
+    assert 'TEMPLATE """{{ .Prompt }}"""' in modelfile("out/base.gguf", chat=False, context_length=256)
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -323,6 +359,7 @@ def test_cli_refuses_in_one_line_and_keeps_what_exists(tmp_path, capsys, tokeniz
                     {"stage": "sft"})
     target = tmp_path / "m.gguf"
     target.write_bytes(b"keep me")
+    (tmp_path / "d.gguf").mkdir()
     for args, words in [
         (("--checkpoint", rms, "--to_gguf", tmp_path / "x.gguf"), "llama.cpp has no architecture for an RMSNorm"),
         (("--checkpoint", chat_checkpoint, "--to_gguf", target), "already exists; pass --overwrite"),
@@ -330,17 +367,20 @@ def test_cli_refuses_in_one_line_and_keeps_what_exists(tmp_path, capsys, tokeniz
         (("--checkpoint", chat_checkpoint, "--to_gguf", tmp_path / "x.gguf", "--to_hf", tmp_path / "h"),
          "different outputs"),
         (("--checkpoint", chat_checkpoint, "--to_hf", tmp_path / "h", "--gguf_type", "q8_0"), "goes with --to_gguf"),
-        (("--checkpoint", chat_checkpoint, "--to_gguf", tmp_path, "--overwrite"), "is a directory"),
+        (("--checkpoint", chat_checkpoint, "--to_gguf", tmp_path / "d.gguf", "--overwrite"), "is a directory"),
+        (("--checkpoint", chat_checkpoint, "--to_gguf", tmp_path / "x.Modelfile"), "name the file NAME.gguf"),
+        (("--checkpoint", chat_checkpoint, "--to_gguf", "/proc/x.gguf"), "could not write --to_gguf /proc/x.gguf"),
     ]:
         code, _, err = run_load_weight(capsys, *args)
         assert code == 2, (args, err)
         assert words in err and len(err.strip().splitlines()) == 1, err
     assert target.read_bytes() == b"keep me"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf", "rms"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d.gguf", "m.gguf", "rms"]
     code, out, err = run_load_weight(capsys, "--checkpoint", chat_checkpoint, "--to_gguf", target, "--gguf_type",
                                      "q8_0", "--overwrite")
     assert code == 0, err
     assert target.read_bytes()[:4] == b"GGUF" and (tmp_path / "m.Modelfile").is_file()
+    assert target.stat().st_mode & 0o044 == 0o044  # readable as the umask allows, not private to its writer
 
 
 def test_a_lora_checkpoint_leaves_merged(tmp_path, capsys, tokenizer, fitted_models, chat_checkpoint):
