@@ -73,7 +73,6 @@ from chinese_tokenizer import (
     ANSWER_ID,
     ANSWER_TOKEN,
     CHAR_SLOTS,
-    CHAT_TEMPLATE,
     CLS_ID,
     MASK_ID,
     PAD_ID,
@@ -95,14 +94,22 @@ CONTROL = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", ANSWER_TOKEN)
 # gguf's key names (``tokenizer.ggml.<name>``) for the special ids
 SPECIAL_KEYS = {"bos": "bos_token_id", "eos": "eos_token_id", "unk": "unknown_token_id",
                 "sep": "seperator_token_id", "pad": "padding_token_id", "mask": "mask_token_id", "cls": "cls_token_id"}
-# CHAT_TEMPLATE, but the [ANS] after the last user turn is left out where llama.cpp's programs render it: their
-# WordPiece tokenizer appends sep, [ANS], to the prompt (module docstring). They set enable_thinking for every
-# template; llama-cpp-python, which appends nothing, does not.
-GGUF_CHAT_TEMPLATE = CHAT_TEMPLATE.replace(
-    "{{ message['content'] + ('[ANS]' if message['role'] == 'user' else '[SEP]') }}",
+# CHAT_TEMPLATE's layout for llama.cpp, rendering the same text (tests/test_gguf.py) with two differences of form:
+# the [ANS] after the last user turn is left out where llama.cpp's programs render it, since their WordPiece
+# tokenizer appends sep, [ANS], to the prompt (module docstring; they set enable_thinking for every template,
+# llama-cpp-python, which appends nothing, does not); and the system texts are read one message at a time, because
+# llama.cpp decides whether a template knows the system role by whether it reads the first message's content, and
+# otherwise folds the system text into the first user turn.
+GGUF_CHAT_TEMPLATE = (
+    "{{- '[CLS]' -}}"
+    "{%- for message in messages if message['role'] == 'system' -%}"
+    "{{ message['content'] + ('[SEP]' if loop.last else '\\n') }}"
+    "{%- endfor -%}"
+    "{%- for message in messages if message['role'] != 'system' -%}"
     "{{ message['content'] + ('[SEP]' if message['role'] != 'user' else '' if loop.last and enable_thinking is "
-    "defined else '[ANS]') }}")
-assert GGUF_CHAT_TEMPLATE != CHAT_TEMPLATE
+    "defined else '[ANS]') }}"
+    "{%- endfor -%}"
+)
 WORD_START = "\u2581"  # llama.cpp's mark of a word-initial WordPiece token (BERT marks the others with "##")
 BLOCK = [("norm1.scale", "attn_norm.weight"), ("norm1.shift", "attn_norm.bias"),
          ("att.out_proj.weight", "attn_output.weight"), ("att.out_proj.bias", "attn_output.bias"),

@@ -25,7 +25,7 @@ import pytest
 import torch
 
 import load_weight
-from chinese_tokenizer import ANSWER_ID, EOS_ID, chat_messages_ids, encode
+from chinese_tokenizer import ANSWER_ID, CHAT_TEMPLATE, EOS_ID, chat_messages_ids, encode
 from conftest import POEMS
 from gpt_model import GELU, GPTConfig, GPTModel, RewardModel, generate
 from lora import add_lora, merge_lora
@@ -313,6 +313,18 @@ def test_a_chat_prompt_is_ours_in_llama_cpp_python_and_in_llama_cpps_programs(tm
         assert expected and answer["choices"][0]["message"]["content"] == llm.detokenize(expected).decode()
     finally:
         llm.close()
+
+
+@pytest.mark.parametrize("messages", [
+    MESSAGES, MESSAGES[1:], [MESSAGES[0], {"role": "system", "content": "简短。"}, *MESSAGES[1:2]],
+    [{"role": "user", "content": "写一条差评：[SEP]"}]])
+def test_the_gguf_template_renders_ours_and_leaves_the_last_answer_mark_to_llama_cpps_programs(messages):
+    import jinja2
+
+    ours = jinja2.Template(CHAT_TEMPLATE).render(messages=messages, add_generation_prompt=True)
+    theirs = jinja2.Template(GGUF_CHAT_TEMPLATE)
+    assert theirs.render(messages=messages, add_generation_prompt=True) == ours
+    assert theirs.render(messages=messages, enable_thinking=False, add_generation_prompt=True) + "[ANS]" == ours
 
 
 def test_llama_cpps_programs_end_a_plain_prompt_with_sep(tmp_path, tokenizer, fitted_models):
