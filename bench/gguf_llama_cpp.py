@@ -40,7 +40,7 @@ from bench_attention import cpu_name  # noqa: E402
 from bench_decode import build, measure  # noqa: E402
 
 from chinese_tokenizer import EOS_ID, chat_messages_ids, encode, load_tokenizer  # noqa: E402
-from gpt_model import GELU, generate  # noqa: E402
+from gpt_model import generate  # noqa: E402
 from plumbing import gguf_export  # noqa: E402
 from plumbing.checkpoint import load_checkpoint  # noqa: E402
 from plumbing.cli import HelpFormatter  # noqa: E402
@@ -77,8 +77,8 @@ def logits_table(model, tokenizer, data, tmp, threads):
     with torch.no_grad():
         ours = [model(torch.tensor([c]))["logits"][0].numpy() for c in chunks]
         plain = [block.ff.layers[1] for block in model.trf_blocks]
-        for block in model.trf_blocks:  # ggml's CPU GELU: a table of fp16 values (tests/test_gguf.py)
-            block.ff.layers[1] = TableGELU()
+        for block in model.trf_blocks:  # llama.cpp's CPU GELU: a table of fp16 values
+            block.ff.layers[1] = gguf_export.GgmlGELU()
         ggml_gelu = [model(torch.tensor([c]))["logits"][0].numpy() for c in chunks]
         for block, layer in zip(model.trf_blocks, plain):
             block.ff.layers[1] = layer
@@ -108,12 +108,6 @@ def logits_table(model, tokenizer, data, tmp, threads):
         print(f"| {gguf_type} | {os.path.getsize(path) / 1e6:.1f} | {diff:.2e} | {diff_gelu:.2e} | "
               f"{np.concatenate(same).mean():.2%} |", flush=True)
     return os.path.join(tmp, "m-f32.gguf")
-
-
-class TableGELU(torch.nn.Module):
-    def forward(self, x):
-        table = GELU.reference(x.half().float()).half().float()
-        return torch.where(x <= -10, torch.zeros_like(x), torch.where(x >= 10, x, table))
 
 
 def tokenizer_table(path, tokenizer, data, threads):

@@ -29,7 +29,8 @@ Tensors (ggml names; a matrix is stored as ours, (out, in), which ggml reads as 
 
 Both architectures add a q/k/v bias (zeros where ``qkv_bias`` is false). For rotary models the query and key rows
 move from our adjacent pairs (2i, 2i+1) to llama.cpp's NEOX halves (i, i + d_h/2) within each head, as for
-GPT-NeoX in ``transformers`` (``hf_weights.rope_to_halves``). GELU: both graphs use ggml's tanh GELU, ours.
+GPT-NeoX in ``transformers`` (``hf_weights.qkv_parts``). GELU: both graphs use ggml's, the tanh form of ours
+read from a table of fp16 values (``GgmlGELU``), 1e-3 or so from ours in a trained model's logits.
 
 The vocabulary goes in as llama.cpp's WordPiece tokenizer (``tokenizer.ggml.model = "bert"``), lower-casing and
 stripping accents as BERT-Chinese does. llama.cpp marks the start of a word with "▁" where BERT marks the rest of
@@ -80,9 +81,9 @@ from chinese_tokenizer import (
     UNK_ID,
     VOCAB_SIZE,
 )
-from gpt_model import GPTConfig, RewardModel
+from gpt_model import GELU, GPTConfig, RewardModel
 from plumbing.cli import UserError
-from plumbing.hf_weights import ROPE_BASE, permute_heads, rope_to_halves
+from plumbing.hf_weights import ROPE_BASE, qkv_parts
 
 GGUF_TYPES = ("f32", "f16", "q8_0")
 ARCHITECTURES = {("layernorm", "learned"): "gpt2", ("layernorm", "rope"): "gptneox"}
@@ -155,21 +156,24 @@ def gguf_tensors(model, own_head: bool = False) -> dict[str, np.ndarray]:
         out["output.weight"] = ours["out_head.weight"]
     elif arch == "gptneox" or own_head:  # llama.cpp's gptneox always reads a head of its own
         out["output.weight"] = ours["tok_emb.weight"]
-    e, h = cfg.emb_dim, cfg.n_heads
-    halves = rope_to_halves(e // h)
     for i in range(cfg.n_layers):
-        att = f"trf_blocks.{i}.att."
-        weights = [ours[att + p + ".weight"] for p in ("W_query", "W_key", "W_value")]  # (E, E) each
-        biases = [ours[att + p + ".bias"] if cfg.qkv_bias else torch.zeros(e)
-                  for p in ("W_query", "W_key", "W_value")]  # (E,) each
-        if arch == "gptneox":  # NEOX rotary pairs dimension i with i + d_h/2
-            weights[:2] = [permute_heads(w, h, halves) for w in weights[:2]]
-            biases[:2] = [permute_heads(b, h, halves) for b in biases[:2]]
+        # NEOX rotary pairs dimension i with i + d_h/2, as transformers' rotate_half does
+        weights, biases = qkv_parts(ours, cfg, i, halves=arch == "gptneox")  # (E, E) and (E,) each
         out[f"blk.{i}.attn_qkv.weight"] = torch.cat(weights)  # (3E, E)
         out[f"blk.{i}.attn_qkv.bias"] = torch.cat(biases)  # (3E,)
         for name, theirs in BLOCK:
             out[f"blk.{i}.{theirs}"] = ours[f"trf_blocks.{i}.{name}"]
     return {k: v.contiguous().numpy() for k, v in out.items()}
+
+
+class GgmlGELU(torch.nn.Module):
+    """GELU as llama.cpp computes it on a CPU, to put in our model for comparisons with it: ggml's table of fp16
+    values (``ggml-cpu/vec.h``, ``GGML_GELU_FP16``), the tanh GELU of the input rounded to fp16, itself rounded to
+    fp16; 0 below -10 and the input above 10. (..., F) -> (..., F)."""
+
+    def forward(self, x):
+        table = GELU.reference(x.half().float()).half().float()
+        return torch.where(x <= -10, torch.zeros_like(x), torch.where(x >= 10, x, table))
 
 
 def gguf_vocab(tokenizer) -> tuple[list[str], list[int]]:
@@ -246,7 +250,7 @@ def save_gguf(model, path: str, tokenizer, gguf_type: str = "f32", chat: bool = 
               overwrite: bool = False) -> str:
     """Write ``model`` (a ``GPTModel``) and ``tokenizer`` as one GGUF file for llama.cpp, written beside ``path``
     and renamed into place. With ``chat`` (a model trained on the chat template) the file carries
-    ``CHAT_TEMPLATE``, which llama.cpp's Jinja chat path (``--jinja``, llama-cpp-python's chat completion) renders.
+    ``GGUF_CHAT_TEMPLATE``, which llama.cpp's Jinja chat path (``--jinja``, llama-cpp-python's chat completion) renders.
     Returns the llama.cpp architecture written.
 
     Raises:
@@ -288,8 +292,7 @@ def save_gguf(model, path: str, tokenizer, gguf_type: str = "f32", chat: bool = 
         writer.add_tokenizer_pre("default")
         writer.add_token_list(texts)
         writer.add_token_types(types)
-        writer.add_bool(gguf.Keys.Tokenizer.NORMALIZER_LOWERCASE if hasattr(gguf.Keys.Tokenizer, "NORMALIZER_LOWERCASE")
-                        else "tokenizer.ggml.normalizer.lowercase", True)
+        writer.add_bool("tokenizer.ggml.normalizer.lowercase", True)  # BERT-Chinese lower-cases (llama.cpp: off)
         for kind, token in special_ids(chat).items():
             writer.add_uint32(f"tokenizer.ggml.{SPECIAL_KEYS[kind]}", token)
         # what llama.cpp's WordPiece tokenizer does when it adds special tokens: bos first, sep last (docstring)

@@ -598,6 +598,20 @@ def _fold_score_bias(ours: dict, weight, bias: float, cfg: GPTConfig) -> dict | 
     return {"index": j, "bias": bias, "shift": old, "folded_shift": float(shift[j])}
 
 
+def qkv_parts(ours: dict, cfg: GPTConfig, block: int, halves: bool) -> tuple[list, list]:
+    """Block ``block``'s query, key and value weights [(E, E)] * 3, (out, in), and biases [(E,)] * 3 (zeros
+    without ``qkv_bias``) from our state dict ``ours``; with ``halves`` the query and key rows in ``rotate_half``
+    order, which pairs dimension i with i + d_h/2 where ours pairs (2i, 2i+1) (``rope_to_halves``)."""
+    att = f"trf_blocks.{block}.att."
+    weights = [ours[att + p + ".weight"] for p in QKV]
+    biases = [ours[att + p + ".bias"] if cfg.qkv_bias else torch.zeros(cfg.emb_dim) for p in QKV]
+    if halves:
+        order = rope_to_halves(cfg.emb_dim // cfg.n_heads)
+        weights[:2] = [permute_heads(w, cfg.n_heads, order) for w in weights[:2]]
+        biases[:2] = [permute_heads(b, cfg.n_heads, order) for b in biases[:2]]
+    return weights, biases
+
+
 def gpt_to_hf_state_dict(model) -> tuple[dict, dict | None]:
     """``model``'s weights under the names of its architecture (``architecture_for``; base prefix included), in
     that format's layout, and the record of a folded reward-head bias (``_fold_score_bias``; None if nothing was
@@ -616,15 +630,10 @@ def gpt_to_hf_state_dict(model) -> tuple[dict, dict | None]:
         fold = _fold_score_bias(ours, score[0], float(model.head.linear.bias.detach()), cfg)
     prefix = CLASSES[arch][2]
     hf = {prefix + theirs: ours[name] for name, theirs in TOP_MAPS[arch]}
-    e, h = cfg.emb_dim, cfg.n_heads
-    halves = rope_to_halves(e // h)
+    h = cfg.n_heads
     for i in range(cfg.n_layers):
-        block, att = f"{prefix}{LAYER_PREFIX[arch]}{i}.", f"trf_blocks.{i}.att."
-        weights = [ours[att + p + ".weight"] for p in QKV]  # (E, E) each, (out, in)
-        biases = [ours[att + p + ".bias"] if cfg.qkv_bias else torch.zeros(e) for p in QKV]  # (E,) each
-        if arch != "gpt2":  # rotate_half pairs dimension i with i + d_h/2: move our pair (2i, 2i+1) there
-            weights[:2] = [permute_heads(w, h, halves) for w in weights[:2]]
-            biases[:2] = [permute_heads(b, h, halves) for b in biases[:2]]
+        block = f"{prefix}{LAYER_PREFIX[arch]}{i}."
+        weights, biases = qkv_parts(ours, cfg, i, halves=arch != "gpt2")
         if arch == "gpt2":
             hf[block + "attn.c_attn.weight"] = torch.cat([w.t() for w in weights], dim=1)  # (E, 3E)
             hf[block + "attn.c_attn.bias"] = torch.cat(biases)  # (3E,)
