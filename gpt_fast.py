@@ -16,6 +16,10 @@ checkpoint files do not change). Each fast path is tested equal to the lesson's 
   ``gpt_model.next_token_loss`` within float32 rounding of a sum over the vocabulary.
 * ``fused_attention`` (``FastMultiHeadAttention``): PyTorch's fused attention in fp32 on the CPU when bf16 autocast
   made the queries, keys and values bf16, where its bf16 kernel is 3-4x slower (bench/bench_attention.py).
+* ``FastGPTModel.decode_step``: a cached one-token step of generation written for one position: its position
+  and mask read off the attention mask, no causal mask built, the three projections one product
+  (``FastMultiHeadAttention.step_projections``), the queries and keys turned by RoPE in one call. The same
+  operations on the same numbers as the general pass.
 * ``generate``: the lesson's ``generate`` for many rows at once: k continuations of each prompt from one reading of
   it (``num_samples``), rows that have finished dropped from the batch and the cache, and a ``stream`` callback for
   the server. Greedy, its tokens are the lesson's.
@@ -33,9 +37,11 @@ from gpt_model import (
     GPTModel,
     KVCache,
     MultiHeadAttention,
+    apply_rope,
     check_generate_args,
     check_labels,
     next_token,
+    rope_angles,
     unwrap_compiled,
 )
 
@@ -45,7 +51,7 @@ SPLIT_ROWS = 32
 
 
 class SplitLinear(nn.Linear):
-    """``nn.Linear`` (y = x W^T + b, W of shape (out, in)), with one more path for decoding on a CPU.
+    """``nn.Linear`` (y = x W^T + b, W of shape (out, in)), with one more path for decoding on a CPU: ``linear``.
 
     A decoding step multiplies a handful of rows by every weight matrix, so its time is the time to read the
     weights. One BLAS call for so few rows is a matrix-vector product, which MKL runs on a single thread on AMD
@@ -58,27 +64,36 @@ class SplitLinear(nn.Linear):
     """
 
     def forward(self, x):  # (..., in) -> (..., out)
-        # the checks that training and compiled code fail come first: torch.compile must not see the thread count
-        if (not torch.is_grad_enabled() and x.device.type == "cpu" and not torch.compiler.is_compiling()
-                and x.dtype == self.weight.dtype == torch.float32 and not torch.is_autocast_enabled("cpu")
-                and x.numel() <= SPLIT_ROWS * self.in_features):
-            parts = torch.get_num_threads()
-            if parts > 1 and self.out_features % parts == 0:
-                return self.split_forward(x, parts)
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
-    def split_forward(self, x, parts: int):
-        """``F.linear(x, weight, bias)`` as ``parts`` blocks of output features in one ``torch.bmm``."""
-        rows = x.reshape(-1, self.in_features)  # (N, in)
-        blocks = self.weight.view(parts, -1, self.in_features)  # (P, out/P, in), a view
-        if rows.shape[0] == 1:
-            y = torch.bmm(blocks, rows.t().expand(parts, -1, -1)).view(1, -1)  # (P, out/P, 1) -> (1, out)
-        else:
-            y = torch.bmm(rows.expand(parts, -1, -1), blocks.transpose(1, 2))  # (P, N, out/P)
-            y = y.transpose(0, 1).reshape(rows.shape[0], -1)  # (N, out)
-        if self.bias is not None:
-            y = y + self.bias
-        return y.view(*x.shape[:-1], self.out_features)  # (..., out)
+
+def linear(x, weight, bias=None):
+    """``F.linear(x, weight, bias)`` (x: (..., in), weight: (out, in), bias: (out,) or None -> (..., out)), through
+    ``split_linear`` where ``SplitLinear``'s docstring says that is faster."""
+    out_features, in_features = weight.shape
+    # the checks that training and compiled code fail come first: torch.compile must not see the thread count
+    if (not torch.is_grad_enabled() and x.device.type == "cpu" and not torch.compiler.is_compiling()
+            and x.dtype == weight.dtype == torch.float32 and not torch.is_autocast_enabled("cpu")
+            and x.numel() <= SPLIT_ROWS * in_features):
+        parts = torch.get_num_threads()
+        if parts > 1 and out_features % parts == 0:
+            return split_linear(x, weight, bias, parts)
+    return F.linear(x, weight, bias)
+
+
+def split_linear(x, weight, bias, parts: int):
+    """``F.linear(x, weight, bias)`` as ``parts`` blocks of output features in one ``torch.bmm``."""
+    out_features, in_features = weight.shape
+    rows = x.reshape(-1, in_features)  # (N, in)
+    blocks = weight.view(parts, -1, in_features)  # (P, out/P, in), a view
+    if rows.shape[0] == 1:
+        y = torch.bmm(blocks, rows.t().expand(parts, -1, -1)).view(1, -1)  # (P, out/P, 1) -> (1, out)
+    else:
+        y = torch.bmm(rows.expand(parts, -1, -1), blocks.transpose(1, 2))  # (P, N, out/P)
+        y = y.transpose(0, 1).reshape(rows.shape[0], -1)  # (N, out)
+    if bias is not None:
+        y = y + bias
+    return y.view(*x.shape[:-1], out_features)  # (..., out)
 
 
 def fused_attention(queries, keys, values, attn_mask=None, is_causal: bool = False, dropout_p: float = 0.0):
@@ -100,15 +115,100 @@ def fused_attention(queries, keys, values, attn_mask=None, is_causal: bool = Fal
 
 
 class FastMultiHeadAttention(MultiHeadAttention):
-    """``MultiHeadAttention`` whose fused kernel runs in fp32 on the CPU under bf16 autocast (``fused_attention``).
-    Made by ``speed_up``."""
+    """``MultiHeadAttention`` whose fused kernel runs in fp32 on the CPU under bf16 autocast (``fused_attention``),
+    and whose decoding steps make the queries, keys and values in one product (``step_projections``). Made by
+    ``speed_up``."""
 
     sdpa = staticmethod(fused_attention)
+
+    def step_projections(self, x):
+        """The queries, keys and values of one new position per row, side by side on the head axis: x (B, 1, E) ->
+        (B, 3H, 1, d_h), heads 0..H-1 the queries, H..2H-1 the keys, 2H..3H-1 the values.
+
+        With plain projections (no LoRA adapter) and no autocast, the three products are one product by
+        [W_query; W_key; W_value] (3E, E): the same dot products, one call instead of three (``qkv_weight``).
+        Otherwise each layer runs as usual and the results are joined.
+        """
+        layers = (self.W_query, self.W_key, self.W_value)
+        if all(type(layer) is SplitLinear for layer in layers) and not torch.is_autocast_enabled(x.device.type):
+            qkv = linear(x, *self.qkv_weight())  # (B, 1, 3E)
+        else:  # an adapter adds its own term; under autocast a stacked copy would be cast again at every step
+            qkv = torch.cat([layer(x) for layer in layers], dim=-1)  # (B, 1, 3E)
+        # one position: (B, 1, 3E) is already (B, 3H, 1, d_h), no transpose needed
+        return qkv.view(x.shape[0], 3 * self.num_heads, 1, self.head_dim)
+
+    def qkv_weight(self):
+        """[W_query; W_key; W_value] (3E, E) and their biases (3E,) or None, stacked at the first call and again
+        whenever one of them has changed since (an optimizer step, a load: in-place updates raise a tensor's
+        ``_version``); kept between calls, so a model that decodes holds this copy (3 E^2 numbers a layer)."""
+        parts = [(layer.weight, layer.bias) for layer in (self.W_query, self.W_key, self.W_value)]
+        key = [(t.data_ptr(), t._version) for pair in parts for t in pair if t is not None]
+        if getattr(self, "_qkv", (None,))[0] != key:
+            weight = torch.cat([w for w, _ in parts])  # (3E, E)
+            bias = torch.cat([b for _, b in parts]) if parts[0][1] is not None else None  # (3E,)
+            self._qkv = (key, weight, bias)
+        return self._qkv[1:]
 
 
 class FastGPTModel(GPTModel):
     """``GPTModel`` whose loss is ``chunked_next_token_loss``: the same value as the lesson's ``next_token_loss``
-    of the head's logits, without the (B, T, V) logits in memory. Made by ``speed_up``, never built directly."""
+    of the head's logits, without the (B, T, V) logits in memory; and whose cached one-token steps, at inference,
+    run ``decode_step``. Made by ``speed_up``, never built directly."""
+
+    def forward(self, input_ids, attention_mask=None, past_key_values: KVCache | None = None, use_cache=False,
+                labels=None, logits_to_keep: int = 0):
+        """``GPTModel.forward``; one new token per row after cached ones, without autograd or dropout, goes through
+        ``decode_step`` (the same numbers)."""
+        cache = past_key_values
+        if (cache is not None and labels is None and input_ids.shape[1] == 1 and not self.training
+                and not torch.is_grad_enabled() and 0 < cache.length < self.cfg.context_length
+                and (attention_mask is None or attention_mask.shape == (input_ids.shape[0], cache.length + 1))):
+            hidden = self.decode_step(input_ids, attention_mask, cache)  # (B, 1, E)
+            out = {"last_hidden_state": hidden, "logits": self.out_head(hidden)}  # (B, 1, V)
+            if use_cache:
+                out["past_key_values"] = cache
+            return out
+        return super().forward(input_ids, attention_mask, cache, use_cache, labels, logits_to_keep)
+
+    def decode_step(self, input_ids, attention_mask, cache: KVCache):
+        """``hidden_states`` for one new token per row after the ``cache.length`` cached ones: (B, 1) ids, mask
+        (B, length + 1) or None -> (B, 1, E) final-normed states, its keys and values written into ``cache``.
+
+        The same operations on the same numbers as the general pass, less what a single position does not need:
+        the position and the mask of the new token are read off the mask directly (its last column is the new
+        token), no causal mask is built, the three projections are one product (``step_projections``) and the
+        rotary embedding turns the queries and keys in one call.
+        """
+        batch_size, past_len = input_ids.shape[0], cache.length
+        visible = None
+        if attention_mask is None:
+            positions = torch.full((batch_size, 1), past_len, device=input_ids.device)  # (B, 1)
+        else:
+            mask = attention_mask.bool()  # (B, past + 1)
+            positions = (mask.sum(dim=1, keepdim=True) - 1).clamp(min=0)  # (B, 1) real tokens before, per row
+            if not bool(mask.all()):  # as the general pass: no mask at all when nothing is padding
+                visible = mask.clone()
+                visible[:, -1] = True  # a padding query sees itself, as there
+                visible = visible[:, None, None, :]  # (B, 1, 1, past + 1)
+        x = self.tok_emb(input_ids)  # (B, 1, E)
+        rope = None
+        if self.pos_emb is not None:
+            x = x + self.pos_emb(positions)  # (B, 1, E)
+        else:
+            rope = rope_angles(self.cfg.emb_dim // self.cfg.n_heads, positions)  # (B, 1, 1, d_h/2)
+        for layer, block in enumerate(self.trf_blocks):
+            att, heads = block.att, block.att.num_heads
+            qkv = att.step_projections(block.norm1(x))  # (B, 3H, 1, d_h)
+            queries_keys, values = qkv[:, :2 * heads], qkv[:, 2 * heads:]  # (B, 2H, 1, d_h), (B, H, 1, d_h)
+            if rope is not None:
+                queries_keys = apply_rope(queries_keys, rope)  # both turned in one call
+            queries, keys = queries_keys.split(heads, dim=1)  # (B, H, 1, d_h) each
+            keys, values = cache.update(layer, keys, values)  # (B, H, past + 1, d_h)
+            context = att.sdpa(queries, keys, values, attn_mask=visible)  # (B, H, 1, d_h)
+            x = x + att.out_proj(context.transpose(1, 2).reshape(batch_size, 1, att.d_out))  # (B, 1, E)
+            x = x + block.ff(block.norm2(x))  # (B, 1, E)
+        cache.length += 1
+        return self.final_norm(x)  # (B, 1, E)
 
     def loss(self, last_hidden_state, labels):  # (B, T, E), (B, T) -> float32 scalar
         return chunked_next_token_loss(last_hidden_state, self.out_head.weight, labels)

@@ -16,6 +16,7 @@ and the step time at new token 900 over the step time at new token 10 (context 1
     python bench/bench_decode.py --presets demo --batches 1
     python bench/bench_decode.py --presets demo --batches 1 --ops  # also what each operation of a step costs
     python bench/bench_decode.py --split_vs_linear --batches 1 8 32 64 128   # gpt_fast.SplitLinear's split path on/off
+    python bench/bench_decode.py --decode_step_vs_general --batches 1 8 64   # FastGPTModel.decode_step on/off
 
 The figures go in bench/README.md ("Decoding against the memory bound").
 """
@@ -23,6 +24,7 @@ The figures go in bench/README.md ("Decoding against the memory bound").
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import sys
@@ -180,24 +182,55 @@ def print_operation_costs(preset: str, dtype: str, model: GPTModel, bandwidth: f
           f"{sum(n * t for _, n, t, _ in rows) * 1e3:.2f} ms per step\n")
 
 
+def alternating(model, batch: int, new_tokens: int, rounds: int, switches: dict) -> dict:
+    """Median decode-step time (s) under each setting of ``switches`` (name -> a function that turns it on), the
+    settings taking turns within each round so that all of them see the same machine."""
+    times = {name: [] for name in switches}
+    for r in range(rounds):
+        for name, switch in switches.items():
+            switch()
+            step_times(model, batch, 4)
+            times[name] += step_times(model, batch, new_tokens, seed=r)[2:]
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
 def split_vs_linear(preset: str, batches, new_tokens: int, rounds: int) -> None:
     """Decode steps (fp32) with ``gpt_fast.SplitLinear``'s split path and with plain ``F.linear`` (``SPLIT_ROWS`` 0),
     alternating within each round so that both see the same machine; medians over the rounds' steps."""
     model, default = build(preset, "fp32"), gpt_fast.SPLIT_ROWS
     for batch in batches:
-        times = {0: [], default: []}
+        switches = {rows: functools.partial(setattr, gpt_fast, "SPLIT_ROWS", rows) for rows in (0, default)}
         try:
-            for r in range(rounds):
-                for rows in (0, default):
-                    gpt_fast.SPLIT_ROWS = rows
-                    step_times(model, batch, 4)
-                    times[rows] += step_times(model, batch, new_tokens, seed=r)[2:]
+            times = alternating(model, batch, new_tokens, rounds, switches)
         finally:
             gpt_fast.SPLIT_ROWS = default
-        plain, split = statistics.median(times[0]), statistics.median(times[default])
+        plain, split = times[0], times[default]
         path = "split" if batch <= default else f"F.linear (more than SPLIT_ROWS = {default} rows)"
         print(f"| {preset} | {batch} | {plain * 1e3:.2f} | {split * 1e3:.2f} | {plain / split:.2f} | {path} |",
               flush=True)
+
+
+def decode_step_vs_general(preset: str, dtype: str, batches, new_tokens: int, rounds: int) -> None:
+    """Decode steps through ``FastGPTModel.decode_step`` and through the general ``GPTModel.forward``, alternating
+    within each round; also whether the two give the same greedy tokens (they compute the same numbers)."""
+    model, fast = build(preset, dtype), gpt_fast.FastGPTModel.forward
+    switches = {"general": functools.partial(setattr, gpt_fast.FastGPTModel, "forward", GPTModel.forward),
+                "decode_step": functools.partial(setattr, gpt_fast.FastGPTModel, "forward", fast)}
+    for batch in batches:
+        prompt = torch.randint(1, model.cfg.vocab_size, (batch, PROMPT_LEN), generator=torch.Generator().manual_seed(9))
+        try:
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "autocast"):
+                times = alternating(model, batch, new_tokens, rounds, switches)
+                tokens = {}
+                for name, switch in switches.items():
+                    switch()
+                    tokens[name] = generate(model, prompt, new_tokens, model.cfg.context_length)
+        finally:
+            gpt_fast.FastGPTModel.forward = fast
+        general, step = times["general"], times["decode_step"]
+        same = torch.equal(tokens["general"], tokens["decode_step"])
+        print(f"| {preset} | {dtype} | {batch} | {general * 1e3:.2f} | {step * 1e3:.2f} | {general / step:.2f} | "
+              f"{'yes' if same else 'no'} |", flush=True)
 
 
 def build(preset: str, dtype: str, context_length: int | None = None) -> GPTModel:
@@ -223,8 +256,18 @@ def main():
                    help="also time each operation of a batch-1 step alone (where the step's time goes)")
     p.add_argument("--split_vs_linear", action="store_true",
                    help="only compare fp32 decode steps with gpt_fast.SplitLinear's split path and with F.linear")
+    p.add_argument("--decode_step_vs_general", action="store_true",
+                   help="only compare decode steps through FastGPTModel.decode_step and through GPTModel.forward")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
+    if args.decode_step_vs_general:
+        print(f"CPU: {cpu_name()}; torch {torch.__version__}, {torch.get_num_threads()} threads\n")
+        print("| preset | weights | batch | general pass (ms) | decode_step (ms) | speed-up | same greedy tokens |")
+        print("|---|---|---|---|---|---|---|")
+        for preset in args.presets:
+            for dtype in args.dtypes:
+                decode_step_vs_general(preset, dtype, args.batches, args.new_tokens, args.rounds)
+        return
     if args.split_vs_linear:
         print(f"CPU: {cpu_name()}; torch {torch.__version__}, {torch.get_num_threads()} threads\n")
         print("| preset | batch | F.linear (ms) | split (ms) | speed-up | path taken |")

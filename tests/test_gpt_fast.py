@@ -341,6 +341,111 @@ def test_repeat_rows_and_keep_rows_copy_the_filled_positions_of_their_rows():
 
 
 # --------------------------------------------------------------------------------------------------------------
+# FastGPTModel.decode_step: one new token after cached ones
+
+
+def decode_steps(model, ids, mask, steps=4, general=False):
+    """Prefill ``ids`` (B, T) with ``mask`` (or None), then feed ``steps`` random tokens one at a time, through
+    ``model`` (its ``decode_step`` where it applies) or, with ``general``, through ``GPTModel.forward`` itself.
+    Returns every step's logits and hidden states and the filled part of the cache."""
+    B = ids.shape[0]
+    cache, outs = gm.KVCache(model.cfg, B, ids.shape[1] + steps), []
+    call = (lambda *a, **k: GPTModel.forward(model, *a, **k)) if general else model
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        call(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+        for _ in range(steps):
+            if mask is not None:
+                mask = torch.cat((mask, torch.ones_like(mask[:, :1])), dim=1)  # (B, past + 1)
+            out = call(torch.randint(0, model.cfg.vocab_size, (B, 1), generator=g), attention_mask=mask,
+                       past_key_values=cache, use_cache=True)
+            outs += [out["logits"], out["last_hidden_state"]]
+    return outs + [cache.keys[:, :, :, :cache.length], cache.values[:, :, :, :cache.length]]
+
+
+def prompts_and_mask(padded: bool):
+    """Three prompts of 6 ids; with ``padded`` the second is left-padded by 3 and the third by 1."""
+    ids = torch.randint(0, 61, (3, 6), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones(3, 6, dtype=torch.long)
+    if padded:
+        mask[1, :3], mask[2, :1] = 0, 0
+    return ids, mask if padded else None
+
+
+@pytest.mark.parametrize("position_embedding", ["learned", "rope"])
+@pytest.mark.parametrize("qkv_bias", [False, True])
+@pytest.mark.parametrize("norm", ["layernorm", "rmsnorm"])
+@pytest.mark.parametrize("padded", [False, True])
+def test_decode_step_equals_the_general_pass(position_embedding, qkv_bias, norm, padded, monkeypatch):
+    """Each one-token step of a fast model goes through decode_step and gives the general pass's logits, hidden
+    states and cached keys and values: the same operations on the same numbers (one product of the stacked
+    projections for three; equal bit for bit here, float32 rounding allowed)."""
+    model = gf.speed_up(random_model(small_cfg(position_embedding=position_embedding, qkv_bias=qkv_bias, norm=norm),
+                                     seed=6)).eval()
+    ids, mask = prompts_and_mask(padded)
+    calls, step = [], gf.FastGPTModel.decode_step
+    monkeypatch.setattr(gf.FastGPTModel, "decode_step", lambda *a: calls.append(1) or step(*a))
+    fast = decode_steps(model, ids, mask)
+    assert len(calls) == 4
+    for got, want in zip(fast, decode_steps(model, ids, mask, general=True), strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+def test_decode_step_with_lora_adapters_and_under_autocast_equals_the_general_pass():
+    """With LoRA adapters on the query and value projections (their own term added) the three projections run
+    as layers; under bf16 autocast too (a stacked copy would be cast again each step): both as the general pass."""
+    from lora import add_lora
+
+    model = gf.speed_up(random_model(small_cfg(position_embedding="rope"), seed=7)).eval()
+    add_lora(model, rank=2, alpha=4.0, targets=("W_query", "W_value"))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.3)  # a non-zero update, so that leaving it out would show
+    ids, mask = prompts_and_mask(padded=True)
+    for got, want in zip(decode_steps(model, ids, mask), decode_steps(model, ids, mask, general=True), strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        fast, general = decode_steps(model, ids, mask), decode_steps(model, ids, mask, general=True)
+    for got, want in zip(fast, general, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+def test_the_stacked_projections_follow_every_change_of_the_weights():
+    """decode_step keeps [W_query; W_key; W_value] between calls; an in-place update (an optimizer step, a load)
+    or a new Parameter makes it stack them again, so a step never runs on stale weights."""
+    model = gf.speed_up(random_model(small_cfg(qkv_bias=True), seed=8)).eval()
+    ids, _ = prompts_and_mask(padded=False)
+    decode_steps(model, ids, None)
+    att = model.trf_blocks[1].att
+    with torch.no_grad():
+        att.W_key.weight.mul_(-1.5)  # in place, as an optimizer step
+        att.W_value.bias.add_(1.0)
+    for got, want in zip(decode_steps(model, ids, None), decode_steps(model, ids, None, general=True), strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    att.W_query.weight = nn.Parameter(torch.randn_like(att.W_query.weight))  # a new tensor altogether
+    for got, want in zip(decode_steps(model, ids, None), decode_steps(model, ids, None, general=True), strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+def test_decode_step_is_left_to_the_general_pass_when_training_with_autograd_or_at_the_context_end(monkeypatch):
+    """Dropout (training mode), autograd and a position past the context take the general pass: its dropout, its
+    graph and its error for a position past ``context_length``."""
+    monkeypatch.setattr(gf.FastGPTModel, "decode_step", lambda *a: pytest.fail("decode_step was taken"))
+    model = gf.speed_up(random_model(small_cfg(drop_rate=0.5), seed=9))
+    cache = gm.KVCache(model.cfg, 1, 16)
+    ids = torch.randint(0, 61, (1, 15), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        model.eval()(ids, past_key_values=cache, use_cache=True)
+        model.train()(ids[:, :1], past_key_values=cache, use_cache=True)  # dropout on: training mode
+    cache.length = 15
+    assert model.eval()(ids[:, :1], past_key_values=cache, use_cache=True)["logits"].requires_grad  # autograd on
+    with torch.no_grad(), pytest.raises(ValueError, match="context_length"):
+        cache.length = 16
+        model(ids[:, :1], past_key_values=cache, use_cache=True)
+
+
+# --------------------------------------------------------------------------------------------------------------
 # SplitLinear: the split path for decoding on a CPU
 
 
@@ -352,9 +457,8 @@ def test_linear_split_path_equals_f_linear(threads, rows, bias, out_features, mo
     """The blocks of output features multiplied in one bmm give F.linear's product (float32 rounding apart), for one
     row (W x^T) and several (x W^T), with and without bias; a width the threads do not divide takes F.linear."""
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
-    calls, split = [], gf.SplitLinear.split_forward
-    monkeypatch.setattr(gf.SplitLinear, "split_forward",
-                        lambda self, x, parts: calls.append(parts) or split(self, x, parts))
+    calls, split = [], gf.split_linear
+    monkeypatch.setattr(gf, "split_linear", lambda x, w, b, parts: calls.append(parts) or split(x, w, b, parts))
     torch.manual_seed(0)
     layer = gf.SplitLinear(10, out_features, bias=bias)
     x = torch.randn(rows, 1, 10)  # (B, T, in)
@@ -367,7 +471,7 @@ def test_linear_split_path_equals_f_linear(threads, rows, bias, out_features, mo
 
 def test_linear_takes_f_linear_for_training_autocast_bf16_and_many_rows(monkeypatch):
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
-    monkeypatch.setattr(gf.SplitLinear, "split_forward", lambda *a: pytest.fail("the split path was taken"))
+    monkeypatch.setattr(gf, "split_linear", lambda *a: pytest.fail("the split path was taken"))
     layer = gf.SplitLinear(8, 8)
     layer(torch.randn(1, 8)).sum().backward()  # autograd on: training
     with torch.no_grad():

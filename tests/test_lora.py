@@ -72,7 +72,7 @@ def log_probs(model, x, mask=None):
 def test_step_zero_is_exactly_the_base_model(targets):
     model = tiny()
     x = ids()
-    with torch.no_grad():  # SplitLinear's CPU decoding path (split_forward) for one row, F.linear for the rest
+    with torch.no_grad():  # SplitLinear.s CPU decoding path (split_linear) for one row, F.linear for the rest
         before, before_row = model(x)["logits"], model(x[:1, :1])["logits"]
     before_grad = model(x)["logits"].detach()
     add_lora(model, rank=4, alpha=8, targets=targets)
