@@ -121,33 +121,30 @@ class FastMultiHeadAttention(MultiHeadAttention):
 
     sdpa = staticmethod(fused_attention)
 
-    def step_projections(self, x):
+    def stacked_projections(self):
+        """[W_query; W_key; W_value] (3E, E) and their biases (3E,) or None, copied into one matrix: one product then
+        gives all three (``step_projections``). None when a projection is not a plain ``SplitLinear`` (a LoRA adapter
+        adds a term of its own)."""
+        layers = (self.W_query, self.W_key, self.W_value)
+        if not all(type(layer) is SplitLinear for layer in layers):
+            return None
+        weight = torch.cat([layer.weight for layer in layers])  # (3E, E)
+        bias = torch.cat([layer.bias for layer in layers]) if self.W_query.bias is not None else None  # (3E,)
+        return weight, bias
+
+    def step_projections(self, x, stacked=None):
         """The queries, keys and values of one new position per row, side by side on the head axis: x (B, 1, E) ->
         (B, 3H, 1, d_h), heads 0..H-1 the queries, H..2H-1 the keys, 2H..3H-1 the values.
 
-        With plain projections (no LoRA adapter) and no autocast, the three products are one product by
-        [W_query; W_key; W_value] (3E, E): the same dot products, one call instead of three (``qkv_weight``).
-        Otherwise each layer runs as usual and the results are joined.
+        Given ``stacked`` (``stacked_projections``) and no autocast, the three products are one: the same dot
+        products, one call instead of three. Otherwise each layer runs as usual and the results are joined.
         """
-        layers = (self.W_query, self.W_key, self.W_value)
-        if all(type(layer) is SplitLinear for layer in layers) and not torch.is_autocast_enabled(x.device.type):
-            qkv = linear(x, *self.qkv_weight())  # (B, 1, 3E)
-        else:  # an adapter adds its own term; under autocast a stacked copy would be cast again at every step
-            qkv = torch.cat([layer(x) for layer in layers], dim=-1)  # (B, 1, 3E)
+        if stacked is not None and not torch.is_autocast_enabled(x.device.type):
+            qkv = linear(x, *stacked)  # (B, 1, 3E)
+        else:  # under autocast the stacked copy would be cast again at every step; the layers' casts are cached
+            qkv = torch.cat([layer(x) for layer in (self.W_query, self.W_key, self.W_value)], dim=-1)  # (B, 1, 3E)
         # one position: (B, 1, 3E) is already (B, 3H, 1, d_h), no transpose needed
         return qkv.view(x.shape[0], 3 * self.num_heads, 1, self.head_dim)
-
-    def qkv_weight(self):
-        """[W_query; W_key; W_value] (3E, E) and their biases (3E,) or None, stacked at the first call and again
-        whenever one of them has changed since (an optimizer step, a load: in-place updates raise a tensor's
-        ``_version``); kept between calls, so a model that decodes holds this copy (3 E^2 numbers a layer)."""
-        parts = [(layer.weight, layer.bias) for layer in (self.W_query, self.W_key, self.W_value)]
-        key = [(t.data_ptr(), t._version) for pair in parts for t in pair if t is not None]
-        if getattr(self, "_qkv", (None,))[0] != key:
-            weight = torch.cat([w for w, _ in parts])  # (3E, E)
-            bias = torch.cat([b for _, b in parts]) if parts[0][1] is not None else None  # (3E,)
-            self._qkv = (key, weight, bias)
-        return self._qkv[1:]
 
 
 class FastGPTModel(GPTModel):
@@ -177,7 +174,9 @@ class FastGPTModel(GPTModel):
         The same operations on the same numbers as the general pass, less what a single position does not need:
         the position and the mask of the new token are read off the mask directly (its last column is the new
         token), no causal mask is built, the three projections are one product (``step_projections``) and the
-        rotary embedding turns the queries and keys in one call.
+        rotary embedding turns the queries and keys in one call. The stacked projection weights are made at a
+        cache's first step and kept on it (``cache.stacked_qkv``) for the rest of its generation: a cache must not
+        outlive a change of the weights (each generation makes its own).
         """
         batch_size, past_len = input_ids.shape[0], cache.length
         visible = None
@@ -196,9 +195,11 @@ class FastGPTModel(GPTModel):
             x = x + self.pos_emb(positions)  # (B, 1, E)
         else:
             rope = rope_angles(self.cfg.emb_dim // self.cfg.n_heads, positions)  # (B, 1, 1, d_h/2)
+        if not hasattr(cache, "stacked_qkv"):  # this generation's weights, stacked at its first step, freed with it
+            cache.stacked_qkv = [block.att.stacked_projections() for block in self.trf_blocks]
         for layer, block in enumerate(self.trf_blocks):
             att, heads = block.att, block.att.num_heads
-            qkv = att.step_projections(block.norm1(x))  # (B, 3H, 1, d_h)
+            qkv = att.step_projections(block.norm1(x), cache.stacked_qkv[layer])  # (B, 3H, 1, d_h)
             queries_keys, values = qkv[:, :2 * heads], qkv[:, 2 * heads:]  # (B, 2H, 1, d_h), (B, H, 1, d_h)
             if rope is not None:
                 queries_keys = apply_rope(queries_keys, rope)  # both turned in one call

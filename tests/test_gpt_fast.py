@@ -411,18 +411,18 @@ def test_decode_step_with_lora_adapters_and_under_autocast_equals_the_general_pa
         torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
 
 
-def test_the_stacked_projections_follow_every_change_of_the_weights():
-    """decode_step keeps [W_query; W_key; W_value] between calls; an in-place update (an optimizer step, a load)
-    or a new Parameter makes it stack them again, so a step never runs on stale weights."""
+def test_each_generation_stacks_the_projections_of_the_weights_it_decodes_with():
+    """decode_step stacks [W_query; W_key; W_value] at a cache's first step and keeps it on that cache: a new
+    generation after a fused AdamW step (which updates the weights in place without raising their ``_version``) or
+    after a Parameter was replaced decodes with the new weights, as the general pass does."""
     model = gf.speed_up(random_model(small_cfg(qkv_bias=True), seed=8)).eval()
     ids, _ = prompts_and_mask(padded=False)
     decode_steps(model, ids, None)
-    att = model.trf_blocks[1].att
-    with torch.no_grad():
-        att.W_key.weight.mul_(-1.5)  # in place, as an optimizer step
-        att.W_value.bias.add_(1.0)
+    model(ids)["logits"].square().mean().backward()
+    torch.optim.AdamW(model.parameters(), lr=0.1, fused=True).step()  # in place, as the stages' optimizers
     for got, want in zip(decode_steps(model, ids, None), decode_steps(model, ids, None, general=True), strict=True):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    att = model.trf_blocks[1].att
     att.W_query.weight = nn.Parameter(torch.randn_like(att.W_query.weight))  # a new tensor altogether
     for got, want in zip(decode_steps(model, ids, None), decode_steps(model, ids, None, general=True), strict=True):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
