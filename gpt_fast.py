@@ -154,11 +154,13 @@ class FastGPTModel(GPTModel):
 
     def forward(self, input_ids, attention_mask=None, past_key_values: KVCache | None = None, use_cache=False,
                 labels=None, logits_to_keep: int = 0):
-        """``GPTModel.forward``; one new token per row after cached ones, without autograd or dropout, goes through
-        ``decode_step`` (the same numbers)."""
+        """``GPTModel.forward``; one new token per row after cached ones, without autograd or dropout and with the
+        fused attention kernel (``attention="sdpa"``, the default), goes through ``decode_step`` (the same numbers).
+        A model with ``attention="math"`` keeps the written-out attention of the general pass."""
         cache = past_key_values
         if (cache is not None and labels is None and input_ids.shape[1] == 1 and not self.training
-                and not torch.is_grad_enabled() and 0 < cache.length < self.cfg.context_length
+                and not torch.is_grad_enabled() and self.cfg.attention == "sdpa"
+                and 0 < cache.length < self.cfg.context_length
                 and (attention_mask is None or attention_mask.shape == (input_ids.shape[0], cache.length + 1))):
             hidden = self.decode_step(input_ids, attention_mask, cache)  # (B, 1, E)
             out = {"last_hidden_state": hidden, "logits": self.out_head(hidden)}  # (B, 1, V)

@@ -244,14 +244,14 @@ def build(preset: str, dtype: str, context_length: int | None = None) -> GPTMode
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
-    p.add_argument("--presets", nargs="+", default=["demo", "gpt2-zh-small"])
+    p.add_argument("--presets", nargs="+", default=["demo", "gpt2-zh-small"], help="model sizes (gpt_model.PRESETS)")
     p.add_argument("--dtypes", nargs="+", default=list(DTYPES), choices=list(DTYPES),
                    help="weights in fp32, in bf16, or in fp32 under bf16 autocast (how PPO and GRPO sample)")
-    p.add_argument("--batches", nargs="+", type=int, default=[1, 8])
+    p.add_argument("--batches", nargs="+", type=int, default=[1, 8], help="rows decoded together")
     p.add_argument("--new_tokens", type=int, default=48, help="tokens per timed generation")
     p.add_argument("--rounds", type=int, default=3, help="timed generations per figure")
     p.add_argument("--latency_tokens", type=int, default=900, help="0 skips the token-10 vs token-N latency")
-    p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    p.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch intra-op threads")
     p.add_argument("--ops", action="store_true",
                    help="also time each operation of a batch-1 step alone (where the step's time goes)")
     p.add_argument("--split_vs_linear", action="store_true",
@@ -262,7 +262,8 @@ def main():
     torch.set_num_threads(args.threads)
     if args.decode_step_vs_general:
         print(f"CPU: {cpu_name()}; torch {torch.__version__}, {torch.get_num_threads()} threads\n")
-        print("| preset | weights | batch | general pass (ms) | decode_step (ms) | speed-up | same greedy tokens |")
+        print("| preset | weights | batch | general pass (ms/step) | decode_step (ms/step) | speed-up "
+              "| same greedy tokens |")
         print("|---|---|---|---|---|---|---|")
         for preset in args.presets:
             for dtype in args.dtypes:

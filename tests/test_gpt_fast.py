@@ -429,9 +429,13 @@ def test_each_generation_stacks_the_projections_of_the_weights_it_decodes_with()
 
 
 def test_decode_step_is_left_to_the_general_pass_when_training_with_autograd_or_at_the_context_end(monkeypatch):
-    """Dropout (training mode), autograd and a position past the context take the general pass: its dropout, its
-    graph and its error for a position past ``context_length``."""
+    """Dropout (training mode), autograd, the written-out attention (``attention="math"``) and a position past the
+    context take the general pass: its dropout, its graph, its attention and its error for a position past
+    ``context_length``."""
     monkeypatch.setattr(gf.FastGPTModel, "decode_step", lambda *a: pytest.fail("decode_step was taken"))
+    math = gf.speed_up(random_model(small_cfg(attention="math"), seed=9)).eval()
+    ids, mask = prompts_and_mask(padded=True)
+    decode_steps(math, ids, mask)
     model = gf.speed_up(random_model(small_cfg(drop_rate=0.5), seed=9))
     cache = gm.KVCache(model.cfg, 1, 16)
     ids = torch.randint(0, 61, (1, 15), generator=torch.Generator().manual_seed(2))
