@@ -242,6 +242,20 @@ def build(preset: str, dtype: str, context_length: int | None = None) -> GPTMode
     return model.to(DTYPES[dtype])
 
 
+def print_latency(presets, tokens: int) -> None:
+    """The batch-1 fp32 step at new token ``tokens`` against the step at new token 10 (context 1024 or more)."""
+    print(f"| preset | weights | step at new token 10 (ms) | step at new token {tokens} (ms) | ratio |")
+    print("|---|---|---|---|---|")
+    for preset in presets:
+        model = build(preset, "fp32", context_length=max(1024, PROMPT_LEN + tokens + 8))
+        step_times(model, 1, 8)
+        runs = [step_times(model, 1, tokens + 3, seed=r) for r in range(2)]
+        # gap i ends at new token i + 2; take the median of five gaps around each point
+        early = statistics.median(t for run in runs for t in run[6:11])
+        late = statistics.median(t for run in runs for t in run[tokens - 4:tokens + 1])
+        print(f"| {preset} | fp32 | {early * 1e3:.2f} | {late * 1e3:.2f} | {late / early:.2f} |", flush=True)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter)
     p.add_argument("--presets", nargs="+", default=["demo", "gpt2-zh-small"], help="model sizes (gpt_model.PRESETS)")
@@ -313,17 +327,7 @@ def main():
                   f"(largest logit {agree['logits_scale']:.2f}), top-1 agrees on {agree['top1_agree']:.0%}\n")
         del models
     if args.latency_tokens:
-        print(f"| preset | weights | step at new token 10 (ms) | step at new token {args.latency_tokens} (ms) | "
-              f"ratio |")
-        print("|---|---|---|---|---|")
-        for preset in args.presets:
-            model = build(preset, "fp32", context_length=max(1024, PROMPT_LEN + args.latency_tokens + 8))
-            step_times(model, 1, 8)
-            runs = [step_times(model, 1, args.latency_tokens + 3, seed=r) for r in range(2)]
-            # gap i ends at new token i + 2; take the median of five gaps around each point
-            early = statistics.median(t for run in runs for t in run[6:11])
-            late = statistics.median(t for run in runs for t in run[args.latency_tokens - 4:args.latency_tokens + 1])
-            print(f"| {preset} | fp32 | {early * 1e3:.2f} | {late * 1e3:.2f} | {late / early:.2f} |", flush=True)
+        print_latency(args.presets, args.latency_tokens)
 
 
 if __name__ == "__main__":
