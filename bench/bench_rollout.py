@@ -1,18 +1,22 @@
-"""What measuring a rollout costs, full width against the rows grouped by length and cut after their longest answer.
+"""What measuring a rollout costs: full width, the rows grouped by length and cut after their longest answer, and
+each prompt read once.
 
     .venv/bin/python bench/bench_rollout.py --policy checkpoints/sft --prompts data/instructions/train.jsonl
+    .venv/bin/python bench/bench_rollout.py --prompts data/sentiment/train.jsonl --max_new_tokens 8
 
 Samples one GRPO iteration's answers (``--prompts_count`` prompts x ``--group_size``, up to ``--max_new_tokens``
 tokens, bf16 autocast where the CPU has it, as the stages run), then times, on the same answers, in one process:
 
 * the measurement of the rollout: the policy's log-probs and entropy and the reference's log-probs, the old way
-  (``response_logits`` over every row at full width, a log-softmax each for the log-probs and the entropy) and the
-  new way (``rollouts.response_logprobs``: rows sorted by length in groups, cut to length, one log-softmax);
+  (``response_logits`` over every row at full width, a log-softmax each for the log-probs and the entropy), the
+  rows grouped (``rollouts.response_logprobs``: rows sorted by length in groups, cut to length, one log-softmax),
+  and the same with each prompt read once for its ``--group_size`` answers (``samples=``, as the stages measure);
 * one update pass: forward and backward of every minibatch of ``--batch_size`` random rows at full width, and cut
   after the minibatch's longest answer (``rollouts.response_columns``): whether the update would gain from cutting
   too (the stages do not cut it: a random minibatch nearly always holds one answer that ran long).
 
-Prints the seconds of each, the ratio, and the largest difference between the two ways' log-probs at real positions.
+Prints the seconds of each, the ratios, and the largest difference from the full-width log-probs and entropies at
+real positions.
 """
 
 from __future__ import annotations
@@ -75,15 +79,16 @@ def main(argv=None):
     tokenizer = load_tokenizer(default_path("data", "tokenizer"))
     policy = load_checkpoint(args.policy, tokenizer)[0].eval()
     ref = load_checkpoint(args.policy, tokenizer)[0].eval()
-    prompts = [p for p in read_prompt_files([args.prompts], "--prompts")[:args.prompts_count]
-               for _ in range(args.group_size)]
-    ctx = policy.cfg.context_length
+    prompts = read_prompt_files([args.prompts], "--prompts")[:args.prompts_count]
+    ctx, k = policy.cfg.context_length, args.group_size
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16)
     with autocast:
         sequences, attention_mask, response_mask, P = sample_responses(
-            policy, prompts, tokenizer, types.SimpleNamespace(max_new_tokens=args.max_new_tokens), ctx, "cpu")
-    lengths = response_mask.sum(1).float()
-    print(f"{len(prompts)} answers: columns {response_mask.shape[1]}, mean length {lengths.mean():.1f} tokens")
+            policy, prompts, tokenizer, types.SimpleNamespace(max_new_tokens=args.max_new_tokens), ctx, "cpu", k)
+    lengths, rows = response_mask.sum(1).float(), len(sequences)
+    prompt_lengths = attention_mask[:, :P].sum(1).float()
+    print(f"{rows} answers: columns {response_mask.shape[1]}, mean length {lengths.mean():.1f} tokens; prompts "
+          f"{P} columns, mean length {prompt_lengths.mean():.1f} tokens")
 
     @torch.no_grad()
     def full_width():
@@ -92,13 +97,14 @@ def main(argv=None):
         ref_logits = response_logits(ref, sequences, attention_mask, P)
         return token_logprobs(logits, responses), token_logprobs(ref_logits, responses), entropy_from_logits(logits)
 
-    def grouped():
-        logprobs, entropy = response_logprobs(policy, sequences, attention_mask, response_mask, P, entropy=True)
-        return logprobs, response_logprobs(ref, sequences, attention_mask, response_mask, P), entropy
+    def grouped(samples):
+        logprobs, entropy = response_logprobs(policy, sequences, attention_mask, response_mask, P, entropy=True,
+                                              samples=samples)
+        return logprobs, response_logprobs(ref, sequences, attention_mask, response_mask, P, samples=samples), entropy
 
     def update_pass(cut):
-        order = torch.randperm(len(prompts), generator=torch.Generator().manual_seed(0))
-        for start in range(0, len(prompts), args.batch_size):
+        order = torch.randperm(rows, generator=torch.Generator().manual_seed(0))
+        for start in range(0, rows, args.batch_size):
             idx = order[start:start + args.batch_size]
             r = response_columns(response_mask[idx]) if cut else response_mask.shape[1]
             ids = sequences[idx, :P + r]
@@ -108,13 +114,16 @@ def main(argv=None):
 
     with autocast:
         t_full, old = best_of(args.repeats, full_width)
-        t_grouped, new = best_of(args.repeats, grouped)
+        t_grouped, new = best_of(args.repeats, lambda: grouped(1))
+        t_once, once = best_of(args.repeats, lambda: grouped(k))
         t_update_full, _ = best_of(args.repeats, lambda: update_pass(False))
         t_update_cut, _ = best_of(args.repeats, lambda: update_pass(True))
     real = response_mask.bool()
-    diff = max((a[real] - b[real]).abs().max().item() for a, b in zip(old, new))
+    diff, diff_once = (max((a[real] - b[real]).abs().max().item() for a, b in zip(old, way)) for way in (new, once))
     print(f"measurement (policy log-probs + entropy, reference log-probs): full width {t_full:.2f} s, "
-          f"grouped and cut {t_grouped:.2f} s ({t_full / t_grouped:.2f}x); largest difference {diff:.2e}")
+          f"grouped and cut {t_grouped:.2f} s ({t_full / t_grouped:.2f}x), each prompt read once {t_once:.2f} s "
+          f"({t_grouped / t_once:.2f}x the grouped); largest difference from full width {diff:.2e} grouped, "
+          f"{diff_once:.2e} read once")
     print(f"one update pass (minibatches of {args.batch_size}): full width {t_update_full:.2f} s, "
           f"cut {t_update_cut:.2f} s ({t_update_full / t_update_cut:.2f}x)")
     return 0

@@ -104,13 +104,15 @@ def training_flops_per_token(cfg: GPTConfig, seq_len: int, lm_head: bool = True)
     return pass_flops(cfg, 1, seq_len, lm_head=lm_head, trained_share=1.0) // seq_len
 
 
-_KINDS: list[str] = []  # the kinds ``counting_as`` set, innermost last
+_KINDS: list[str] = []  # the kinds ``counting_as`` set, outermost first
 
 
 @contextmanager
 def counting_as(kind: str):
     """Count every pass of a watched model run inside as ``kind`` (``FlopCounter``), whatever pass it is: the
-    held-out measurement is counted apart from the stage's own work this way."""
+    held-out measurement is counted apart from the stage's own work this way. The outermost one decides: a scoring
+    pass that reads a KV cache (``rollouts.response_logprobs``) is "forward" in a stage and "held_out" inside the
+    held-out measurement."""
     _KINDS.append(kind)
     try:
         yield
@@ -127,7 +129,7 @@ class FlopCounter:
     * "sample": a step of generation: the pass reads or fills a KV cache, or keeps its last position's logits alone
       (a prompt's prefill; ``gpt_fast.generate``);
     * "forward": any other pass: reference and old log-probs, reward and critic scores, evaluation;
-    * the kind of the innermost ``counting_as`` around the pass, whatever it is.
+    * the kind of the outermost ``counting_as`` around the pass, whatever it is.
 
     What is counted is the model's work the call asks for: the real tokens of ``attention_mask`` (padding is not
     counted), the head on the positions it keeps (``logits_to_keep``) or predicts (``labels`` other than -100),
@@ -172,7 +174,7 @@ class FlopCounter:
             sizes = [(p.numel(), p.requires_grad) for p in module.parameters()]
             share = sum(n for n, grad in sizes if grad) / sum(n for n, _ in sizes)
         sampling = bool(kwargs.get("use_cache")) or cache is not None or keep == 1
-        kind = _KINDS[-1] if _KINDS else "train" if trains else "sample" if sampling else "forward"
+        kind = _KINDS[0] if _KINDS else "train" if trains else "sample" if sampling else "forward"
         lm_head = isinstance(module, GPTModel)
         self.flops[kind] += pass_flops(module.cfg, rows, tokens, past, head if lm_head else None, lm_head, share, mask)
 

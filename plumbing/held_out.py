@@ -103,9 +103,11 @@ def _answer(policy, ref, prompts, start, samples, tokenizer, args, context_lengt
     sampled = rows[:len(sequences)]
     read = [r for r, row in enumerate(sampled) if row["sample"] < READ_SAMPLES]  # the answers read in depth
     response_mask = full[read, P:].float()
-    logprobs, entropy = response_logprobs(policy, sequences[read], full[read], response_mask, P, entropy=True)
+    k = min(samples, READ_SAMPLES)  # the answers read to each prompt: consecutive rows, each prompt read once
+    logprobs, entropy = response_logprobs(policy, sequences[read], full[read], response_mask, P, entropy=True,
+                                          samples=k)
     kl = (torch.zeros(len(read)) if ref is None else  # the same weights: exactly 0, no second pass
-          kl_per_response(logprobs, response_logprobs(ref, sequences[read], full[read], response_mask, P),
+          kl_per_response(logprobs, response_logprobs(ref, sequences[read], full[read], response_mask, P, samples=k),
                           response_mask))
     for i, r in enumerate(read):
         sampled[r].update(kl=kl[i].item(), entropy=entropy[i].sum().item(), tokens=response_mask[i].sum().item())

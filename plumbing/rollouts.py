@@ -18,8 +18,10 @@ from __future__ import annotations
 import torch
 
 from chinese_tokenizer import EOS_ID, chat_prompt_ids
-from gpt_fast import generate
+from gpt_fast import generate, rows_of
+from gpt_model import KVCache
 from plumbing.batching import pad_left
+from plumbing.flops import counting_as
 
 
 def token_logprobs(logits, tokens):
@@ -128,8 +130,44 @@ def response_columns(response_mask) -> int:
 MEASURE_ROWS = 32
 
 
+def read_prompts(model, sequences, attention_mask, prompt_len: int, samples: int):
+    """Read each prompt of ``sequences`` (B, P+R) once, where rows b*k .. b*k+k-1 answer one prompt (``samples`` k,
+    ``sample_responses``' layout): one pass over the n = B / k prompts that keeps their keys and values.
+
+    Returns (cache, first): the ``KVCache`` of the n prompts (P positions filled) and the logits of each prompt's
+    last position, (n, 1, V), which predict the first response token. Raises ``ValueError`` when the rows of a group
+    do not share their prompt and its mask.
+    """
+    B, P = sequences.shape[0], prompt_len
+    prompts, mask = sequences[::samples, :P], attention_mask[::samples, :P]  # (n, P) each
+    if B % samples or not (torch.equal(sequences[:, :P], prompts.repeat_interleave(samples, 0))
+                           and torch.equal(attention_mask[:, :P], mask.repeat_interleave(samples, 0))):
+        raise ValueError(f"rows b*{samples} .. b*{samples}+{samples - 1} must share a prompt (samples={samples}); "
+                         f"these {B} rows do not")
+    cfg = getattr(model, "cfg", None)  # a model without one makes its own cache
+    cache = KVCache(cfg, len(prompts), sequences.shape[1]) if cfg is not None else None
+    out = model(prompts, attention_mask=mask, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    return out["past_key_values"], out["logits"]  # (n, 1, V)
+
+
+def logits_after_prompts(model, prompts, rows, sequences, attention_mask, prompt_len: int, samples: int):
+    """``response_logits`` of the rows ``rows`` ((b,) indices) of ``sequences`` (b, P+r) and their ``attention_mask``
+    whose prompts were read already (``prompts``, from ``read_prompts``): only the response tokens go through the
+    model, attending to their prompt's cached keys and values. (b, r, V): the prompt's last logits, then those of
+    the response's first r - 1 tokens."""
+    cache, first = prompts
+    groups = torch.div(rows, samples, rounding_mode="floor")  # (b,) the prompt of each row
+    logits = first[groups]  # (b, 1, V)
+    if sequences.shape[1] > prompt_len + 1:  # the last response token predicts nothing that is measured
+        rest = model(sequences[:, prompt_len:-1], attention_mask=attention_mask[:, :-1],
+                     past_key_values=rows_of(cache, groups))["logits"]  # (b, r - 1, V)
+        logits = torch.cat([logits, rest], dim=1)
+    return logits
+
+
 @torch.no_grad()
-def response_logprobs(model, sequences, attention_mask, response_mask, prompt_len: int, entropy: bool = False):
+def response_logprobs(model, sequences, attention_mask, response_mask, prompt_len: int, entropy: bool = False,
+                      samples: int = 1):
     """log pi(token) of every response token of ``sequences`` (B, P+R) under ``model``, and asked for, the entropy
     of pi at every response position, both (B, R) float32 and 0 after each response's end.
 
@@ -137,21 +175,30 @@ def response_logprobs(model, sequences, attention_mask, response_mask, prompt_le
     longest response (``response_columns``): a batch of 128 answers whose longest runs to the token limit but whose
     mean is 40% of it costs about 40% of the full-width pass, in time and in memory. One log-softmax serves both
     figures. Equal, at the real positions, to ``token_logprobs(response_logits(...))`` on the whole batch.
+
+    With ``samples`` k > 1, rows b*k .. b*k+k-1 answer one prompt (``sample_responses``) and each prompt is read
+    once (``read_prompts``), as sampling read it: the groups then run their response tokens alone against the
+    cached keys and values (``logits_after_prompts``). Where prompts are long and answers short (the sentiment
+    reviews: about 50 tokens, then 3) that is most of the work. The same values up to rounding (the attention over
+    cached keys is another kernel call): within about 1e-5, not bit for bit.
     """
     B, R = response_mask.shape
     lengths = response_mask.sum(dim=1)  # (B,)
     logprobs = torch.zeros(B, R, device=sequences.device)  # (B, R)
     entropies = torch.zeros(B, R, device=sequences.device) if entropy else None
-    order = lengths.argsort()
-    for start in range(0, B, MEASURE_ROWS):
-        rows = order[start:start + MEASURE_ROWS]
-        r = response_columns(response_mask[rows])
-        ids = sequences[rows, :prompt_len + r]  # (b, P + r)
-        logp = torch.log_softmax(response_logits(model, ids, attention_mask[rows, :prompt_len + r],
-                                                 prompt_len).float(), dim=-1)  # (b, r, V)
-        logprobs[rows, :r] = logp.gather(-1, ids[:, prompt_len:].unsqueeze(-1)).squeeze(-1)
-        if entropy:
-            entropies[rows, :r] = entropy_of(logp)
+    with counting_as("forward"):  # a scoring pass, although it reads a KV cache (flops.FlopCounter)
+        prompts = read_prompts(model, sequences, attention_mask, prompt_len, samples) if samples > 1 else None
+        order = lengths.argsort()
+        for start in range(0, B, MEASURE_ROWS):
+            rows = order[start:start + MEASURE_ROWS]
+            r = response_columns(response_mask[rows])
+            ids, mask = sequences[rows, :prompt_len + r], attention_mask[rows, :prompt_len + r]  # (b, P + r) each
+            logits = (response_logits(model, ids, mask, prompt_len) if prompts is None else
+                      logits_after_prompts(model, prompts, rows, ids, mask, prompt_len, samples))  # (b, r, V)
+            logp = torch.log_softmax(logits.float(), dim=-1)  # (b, r, V)
+            logprobs[rows, :r] = logp.gather(-1, ids[:, prompt_len:].unsqueeze(-1)).squeeze(-1)
+            if entropy:
+                entropies[rows, :r] = entropy_of(logp)
     real = response_mask.bool()
     logprobs = torch.where(real, logprobs, 0.0)  # a group's shorter rows computed a few columns past their end
     return (logprobs, torch.where(real, entropies, 0.0)) if entropy else logprobs
@@ -176,12 +223,13 @@ def rollout(policy, prompts, *, ref, tokenizer, args, context_length, device, sa
     """
     sequences, attention_mask, response_mask, P = sample_responses(policy, prompts, tokenizer, args,
                                                                    context_length, device, samples)
-    logprobs, entropy = response_logprobs(policy, sequences, attention_mask, response_mask, P, entropy=True)
+    logprobs, entropy = response_logprobs(policy, sequences, attention_mask, response_mask, P, entropy=True,
+                                          samples=samples)
     data = {
         "prompts": each(prompts, samples),
         "input_ids": sequences, "attention_mask": attention_mask, "response_mask": response_mask.float(),
         "logprobs": logprobs, "entropy": entropy,  # (B, R) each
-        "ref_logprobs": response_logprobs(ref, sequences, attention_mask, response_mask, P),  # (B, R)
+        "ref_logprobs": response_logprobs(ref, sequences, attention_mask, response_mask, P, samples=samples),
         "ended": (sequences[:, P:] == EOS_ID).any(dim=1),  # (B,)
         "prompt_len": P,
     }

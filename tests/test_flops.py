@@ -108,7 +108,8 @@ def test_the_counter_adds_every_pass_by_kind():
     assert counter.flops["sample"] == sampled
     with counting_as("held_out"), torch.no_grad():
         policy(ids)
-        reward_model(ids, (torch.arange(10) >= 3).long().expand(2, 10))  # left-padded: 7 real tokens a row
+        with counting_as("forward"):  # the outermost kind decides (a scoring pass inside the held-out measurement)
+            reward_model(ids, (torch.arange(10) >= 3).long().expand(2, 10))  # left-padded: 7 real tokens a row
     assert counter.flops["held_out"] == pass_flops(cfg, 2, 10) + pass_flops(cfg, 2, 7, lm_head=False)
     assert counter.total == sum(counter.flops.values())
 

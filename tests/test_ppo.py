@@ -11,6 +11,7 @@ from safetensors.torch import load_file
 from conftest import load_script, run_script
 from gpt_model import GPTModel, RewardModel, get_preset
 from plumbing import alignment, rollouts
+from plumbing.flops import FlopCounter
 
 ppo = load_script("3-PPO.py")
 
@@ -171,6 +172,35 @@ def test_response_logprobs_in_groups_cut_to_length_equal_the_full_width_pass(mon
     assert logprobs[real].lt(0).all()  # every real position was computed, none left at its initial 0
 
 
+def test_response_logprobs_reading_each_prompt_once_equal_the_full_width_pass(monkeypatch):
+    """Two prompts (one left-padded) answered three times each, rows b*3 .. b*3+2: measured with ``samples=3`` (each
+    prompt read once, its cached keys and values copied to its rows, the rows sorted by length and taken two at a
+    time) the log-probs and entropies equal those of one full-width pass at every real position, and are 0 after
+    each end; the FLOPs are counted as a scoring pass ("forward"), not as sampling."""
+    policy = tiny_models()[0]
+    monkeypatch.setattr(rollouts, "MEASURE_ROWS", 2)
+    torch.manual_seed(6)
+    P, R = 4, 5
+    prompts = torch.randint(200, 1000, (2, P)).repeat_interleave(3, 0)  # (6, P)
+    sequences = torch.cat([prompts, torch.randint(200, 1000, (6, R))], dim=1)  # (6, P + R)
+    response_mask = (torch.arange(R)[None] < torch.tensor([5, 1, 3, 2, 4, 1])[:, None]).float()  # (6, R)
+    attention_mask = torch.cat([torch.ones(6, P, dtype=torch.long), response_mask.long()], dim=1)
+    attention_mask[3:, :2] = 0  # the second prompt is two tokens shorter
+    counter = FlopCounter(policy)
+    logprobs, entropy = rollouts.response_logprobs(policy, sequences, attention_mask, response_mask, P,
+                                                   entropy=True, samples=3)
+    assert set(counter.flops) == {"forward"}
+    with torch.no_grad():
+        logits = rollouts.response_logits(policy, sequences, attention_mask, P)  # (6, R, V)
+    real = response_mask.bool()
+    assert torch.allclose(logprobs[real], rollouts.token_logprobs(logits, sequences[:, P:])[real], atol=1e-5)
+    assert torch.allclose(entropy[real], rollouts.entropy_from_logits(logits)[real], atol=1e-5)
+    assert not logprobs[~real].any() and not entropy[~real].any()
+    assert logprobs[real].lt(0).all()
+    with pytest.raises(ValueError, match="must share a prompt"):  # rows of one group with different prompts
+        rollouts.response_logprobs(policy, sequences.roll(1, dims=0), attention_mask, response_mask, P, samples=3)
+
+
 def test_kl_is_zero_and_ratio_is_one_before_the_first_update(tokenizer):
     """Dropout off: the reference equals the policy, so the rollout's KL is exactly 0, and recomputing the
     log-probs through the training module gives a ratio of exactly 1."""
@@ -210,7 +240,8 @@ def test_the_rm_reward_scores_each_response_like_the_reward_model_alone(tokenize
 
 def test_k_samples_of_a_prompt_are_the_draws_of_the_prompt_written_k_times(tokenizer):
     """``rollout(..., samples=k)`` reads each prompt once and answers it k times (rows b*k .. b*k+k-1): the same
-    tokens, log-probs and prompts per row as the prompts written out k times each, from the same seed."""
+    tokens and prompts per row as the prompts written out k times each, from the same seed, and the same log-probs
+    up to rounding (the measurement reads each prompt once too)."""
     policy, ref, _ = tiny_models(2)
     args = types.SimpleNamespace(max_new_tokens=6, temperature=1.0)
     prompts = ["写一条好评：", "你好"]
@@ -221,8 +252,10 @@ def test_k_samples_of_a_prompt_are_the_draws_of_the_prompt_written_k_times(token
                                      device="cpu", samples=k))
     shared, written = runs
     assert shared["prompts"] == written["prompts"] == ["写一条好评："] * 3 + ["你好"] * 3
-    for key in ("input_ids", "attention_mask", "response_mask", "logprobs", "ref_logprobs"):
+    for key in ("input_ids", "attention_mask", "response_mask"):
         assert torch.equal(shared[key], written[key]), key
+    for key in ("logprobs", "ref_logprobs"):  # each prompt read once by the measurement too: equal up to rounding
+        assert torch.allclose(shared[key], written[key], atol=1e-5), key
 
 
 @pytest.fixture(scope="module")
