@@ -39,7 +39,7 @@ from plumbing.cli import (
     stage_parser,
 )
 from plumbing.optimizers import lr_at, make_optimizer, set_lr
-from plumbing.rollouts import masked_mean, token_logprobs
+from plumbing.rollouts import masked_mean, response_logits, token_logprobs
 from plumbing.training import StageRun, make_accelerator
 
 # max_steps = iterations; rollout_size = prompts per iteration (each answered group_size times); batch_size =
@@ -212,15 +212,16 @@ def grpo_update(model, optimizer, stage, data, advantages, args) -> dict:
     of ``--batch_size``, each one gradient step on ``grpo_loss`` of ``model`` (Accelerate's wrapper of the policy).
     Returns the mean over the minibatches of ``loss``, ``clip_fraction`` and ``kl_k3_per_token``."""
     mask, P, n = data["response_mask"], data["prompt_len"], len(data["input_ids"])
-    R = data["input_ids"].shape[1] - P
     stats = []  # one row per minibatch: loss, clip fraction, KL
     for _ in range(args.grpo_epochs):
         order = torch.randperm(n)
         for start in range(0, n, args.batch_size):
             idx = order[start:start + args.batch_size].to(data["input_ids"].device)
             with stage.accumulate():
-                out = model(data["input_ids"][idx], attention_mask=data["attention_mask"][idx], logits_to_keep=R + 1)
-                logprobs = token_logprobs(out["logits"][:, :-1], data["input_ids"][idx, P:])  # (b, R)
+                # each prompt of the minibatch read once, its answers attending to its keys and values
+                logits = response_logits(model, data["input_ids"][idx], data["attention_mask"][idx], P,
+                                         prompt_of=idx // args.group_size)  # (b, R, V)
+                logprobs = token_logprobs(logits, data["input_ids"][idx, P:])  # (b, R)
                 loss, clip_fraction, kl = grpo_loss(logprobs, data["logprobs"][idx], data["ref_logprobs"][idx],
                                                     advantages[idx], mask[idx], args.cliprange, args.kl_coef)
                 stage.accelerator.backward(loss)

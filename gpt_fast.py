@@ -27,7 +27,6 @@ checkpoint files do not change). Each fast path is tested equal to the lesson's 
 
 from __future__ import annotations
 
-import copy
 import functools
 
 import torch
@@ -381,15 +380,6 @@ def keep_rows(cache: KVCache, rows) -> None:
         cache.keys, cache.values = (_empty_like(cache, t) for t in (keys, values))
         for new, old in ((cache.keys, keys), (cache.values, values)):
             new[:, :, :, :n] = old[:, rows, :, :n]  # (L, b, H, n, d_h)
-
-
-def rows_of(cache: KVCache, rows) -> KVCache:
-    """A new cache of the rows ``rows`` of ``cache`` (a (b,) LongTensor of indices; a row may be taken more than
-    once, so that several answers to one prompt read its keys and values), ``cache`` itself unchanged. Only the
-    filled positions are copied."""
-    taken = copy.copy(cache)
-    keep_rows(taken, rows)  # gives ``taken`` new buffers; ``cache`` keeps its own
-    return taken
 
 
 def _empty_like(cache: KVCache, buffer):

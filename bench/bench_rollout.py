@@ -11,9 +11,9 @@ tokens, bf16 autocast where the CPU has it, as the stages run), then times, on t
   (``response_logits`` over every row at full width, a log-softmax each for the log-probs and the entropy), the
   rows grouped (``rollouts.response_logprobs``: rows sorted by length in groups, cut to length, one log-softmax),
   and the same with each prompt read once for its ``--group_size`` answers (``samples=``, as the stages measure);
-* one update pass: forward and backward of every minibatch of ``--batch_size`` random rows at full width, and cut
-  after the minibatch's longest answer (``rollouts.response_columns``): whether the update would gain from cutting
-  too (the stages do not cut it: a random minibatch nearly always holds one answer that ran long).
+* one update pass: forward and backward of every minibatch of ``--batch_size`` random rows at full width, as PPO's
+  update runs, and with each prompt of the minibatch read once (``response_logits(..., prompt_of=)``), as GRPO's
+  does: the time of each and the largest difference between their gradients, over the largest entry.
 
 Prints the seconds of each, the ratios, and the largest difference from the full-width log-probs and entropies at
 real positions.
@@ -39,7 +39,6 @@ from plumbing.devices import native_bf16
 from plumbing.records import read_prompt_files
 from plumbing.rollouts import (
     entropy_from_logits,
-    response_columns,
     response_logits,
     response_logprobs,
     sample_responses,
@@ -102,30 +101,34 @@ def main(argv=None):
                                               samples=samples)
         return logprobs, response_logprobs(ref, sequences, attention_mask, response_mask, P, samples=samples), entropy
 
-    def update_pass(cut):
+    def update_pass(shared):
+        policy.zero_grad(set_to_none=True)
         order = torch.randperm(rows, generator=torch.Generator().manual_seed(0))
         for start in range(0, rows, args.batch_size):
             idx = order[start:start + args.batch_size]
-            r = response_columns(response_mask[idx]) if cut else response_mask.shape[1]
-            ids = sequences[idx, :P + r]
-            logp = token_logprobs(response_logits(policy, ids, attention_mask[idx, :P + r], P), ids[:, P:])
-            torch.where(response_mask[idx, :r].bool(), logp, 0.0).sum().backward()
-        policy.zero_grad(set_to_none=True)
+            logits = response_logits(policy, sequences[idx], attention_mask[idx], P,
+                                     prompt_of=idx // k if shared else None)
+            logp = token_logprobs(logits, sequences[idx, P:])
+            torch.where(response_mask[idx].bool(), logp, 0.0).sum().backward()
+        return {name: p.grad for name, p in policy.named_parameters()}
 
     with autocast:
         t_full, old = best_of(args.repeats, full_width)
         t_grouped, new = best_of(args.repeats, lambda: grouped(1))
         t_once, once = best_of(args.repeats, lambda: grouped(k))
-        t_update_full, _ = best_of(args.repeats, lambda: update_pass(False))
-        t_update_cut, _ = best_of(args.repeats, lambda: update_pass(True))
+        t_update_full, grads = best_of(args.repeats, lambda: update_pass(False))
+        t_update_once, grads_once = best_of(args.repeats, lambda: update_pass(True))
     real = response_mask.bool()
     diff, diff_once = (max((a[real] - b[real]).abs().max().item() for a, b in zip(old, way)) for way in (new, once))
     print(f"measurement (policy log-probs + entropy, reference log-probs): full width {t_full:.2f} s, "
           f"grouped and cut {t_grouped:.2f} s ({t_full / t_grouped:.2f}x), each prompt read once {t_once:.2f} s "
           f"({t_grouped / t_once:.2f}x the grouped); largest difference from full width {diff:.2e} grouped, "
           f"{diff_once:.2e} read once")
-    print(f"one update pass (minibatches of {args.batch_size}): full width {t_update_full:.2f} s, "
-          f"cut {t_update_cut:.2f} s ({t_update_full / t_update_cut:.2f}x)")
+    grad_diff = max(((grads[n] - grads_once[n]).abs().max() / grads[n].abs().max()).item()
+                    for n in grads if grads[n] is not None and grads[n].any())
+    print(f"one update pass (minibatches of {args.batch_size}, forward and backward): full width "
+          f"{t_update_full:.2f} s, each prompt read once {t_update_once:.2f} s ({t_update_full / t_update_once:.2f}x); "
+          f"largest gradient difference {grad_diff:.1e} of the largest entry")
     return 0
 
 

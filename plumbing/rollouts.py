@@ -18,8 +18,7 @@ from __future__ import annotations
 import torch
 
 from chinese_tokenizer import EOS_ID, chat_prompt_ids
-from gpt_fast import generate, rows_of
-from gpt_model import KVCache
+from gpt_fast import generate
 from plumbing.batching import pad_left
 from plumbing.flops import counting_as
 
@@ -110,12 +109,80 @@ def sample_responses(policy, prompts, tokenizer, args, context_length, device, s
     return sequences, torch.cat([query_mask, response_mask], dim=1), response_mask, P
 
 
-def response_logits(model, sequences, attention_mask, prompt_len: int):
+def response_logits(model, sequences, attention_mask, prompt_len: int, prompt_of=None):
     """The logits that predict the response tokens of ``sequences`` (B, P+R): (B, R, V), position P - 1 + j
     predicting response token j. Only the last R + 1 positions go through the output head (the costliest layer
-    of a small model), the last of them dropped: it would predict past the sequence."""
-    R = sequences.shape[1] - prompt_len
-    return model(sequences, attention_mask=attention_mask, logits_to_keep=R + 1)["logits"][:, :-1]  # (B, R, V)
+    of a small model), the last of them dropped: it would predict past the sequence.
+
+    ``prompt_of`` (B,), given: rows with the same value answer the same prompt (GRPO's group of each row), and each
+    prompt is read once (``read_prompts``, ``logits_after_prompts``), with gradient when it is on: the answers'
+    positions attend to their prompt's keys and values, and their gradient flows back through them. The same
+    logits up to rounding.
+    """
+    if prompt_of is None:
+        R = sequences.shape[1] - prompt_len
+        return model(sequences, attention_mask=attention_mask, logits_to_keep=R + 1)["logits"][:, :-1]  # (B, R, V)
+    prompts, groups = prompt_of.unique(return_inverse=True)  # (n,) the distinct prompts; (B,) each row's
+    first_row = torch.zeros_like(prompts).scatter_(0, groups, torch.arange(len(groups), device=groups.device))
+    P, own = prompt_len, first_row[groups]  # (B,) a row of each row's prompt
+    if not (torch.equal(sequences[:, :P], sequences[own, :P]) and torch.equal(attention_mask[:, :P],
+                                                                             attention_mask[own, :P])):
+        raise ValueError("rows with the same prompt_of must share their prompt and its mask; these do not")
+    read = read_prompts(model, sequences[first_row, :P], attention_mask[first_row, :P])
+    return logits_after_prompts(model, read, groups, sequences, attention_mask, prompt_len)  # (B, R, V)
+
+
+class PromptCache:
+    """The keys and values of prompts read once, for the passes over their answers: a KV cache with the
+    ``update(layer, keys, values)`` and ``length`` that ``GPTModel`` reads (``gpt_model.KVCache``'s), which
+    concatenates instead of writing into a preallocated buffer. So its tensors stay in the autograd graph: an
+    update's gradient flows from the answers back through their prompt's keys and values to the prompt's pass (an
+    in-place write would overwrite what the backward pass needs). ``rows`` gives each answer its prompt's."""
+
+    def __init__(self, keys=None, values=None, length: int = 0):
+        self.keys = keys if keys is not None else {}  # layer -> (B, H, length, d_h)
+        self.values = values if values is not None else {}
+        self.length = length
+
+    def update(self, layer: int, keys, values):
+        """Append (B, H, T, d_h) new keys/values to the layer's; return all of them, (B, H, length + T, d_h)."""
+        if layer in self.keys:
+            keys, values = torch.cat([self.keys[layer], keys], dim=2), torch.cat([self.values[layer], values], dim=2)
+        self.keys[layer], self.values[layer] = keys, values
+        return keys, values
+
+    def rows(self, index) -> PromptCache:
+        """A cache of the rows ``index`` (a (b,) LongTensor; a row may be taken more than once: several answers to
+        one prompt), this one unchanged. ``index_select``, not ``[index]``: its backward pass adds the answers'
+        gradients into their prompt's in a fixed order (``index_add_``), where the backward of indexing adds them
+        with atomic adds from several threads on a CPU, whose order, and so the last bits, vary from run to run."""
+        return PromptCache({layer: k.index_select(0, index) for layer, k in self.keys.items()},
+                           {layer: v.index_select(0, index) for layer, v in self.values.items()}, self.length)
+
+
+def read_prompts(model, prompts, attention_mask):
+    """One pass over ``prompts`` (n, P) and their ``attention_mask`` that keeps their keys and values.
+
+    Returns (cache, first): a ``PromptCache`` of the n prompts (P positions) and the logits of each prompt's last
+    position, (n, 1, V), which predict the first response token.
+    """
+    cache = PromptCache()
+    first = model(prompts, attention_mask=attention_mask, past_key_values=cache, logits_to_keep=1)["logits"]
+    return cache, first  # (n, 1, V)
+
+
+def logits_after_prompts(model, read, groups, sequences, attention_mask, prompt_len: int):
+    """``response_logits`` of rows ``sequences`` (b, P+r) and their ``attention_mask`` whose prompts were read
+    already (``read``, from ``read_prompts``; ``groups`` (b,) the index of each row's prompt there): only the
+    response tokens go through the model, attending to their prompt's cached keys and values. (b, r, V): the
+    prompt's last logits, then those of the response's first r - 1 tokens."""
+    cache, first = read
+    logits = first.index_select(0, groups)  # (b, 1, V)
+    if sequences.shape[1] > prompt_len + 1:  # the last response token predicts nothing that is measured
+        rest = model(sequences[:, prompt_len:-1], attention_mask=attention_mask[:, :-1],
+                     past_key_values=cache.rows(groups))["logits"]  # (b, r - 1, V)
+        logits = torch.cat([logits, rest], dim=1)
+    return logits
 
 
 def response_columns(response_mask) -> int:
@@ -130,39 +197,16 @@ def response_columns(response_mask) -> int:
 MEASURE_ROWS = 32
 
 
-def read_prompts(model, sequences, attention_mask, prompt_len: int, samples: int):
-    """Read each prompt of ``sequences`` (B, P+R) once, where rows b*k .. b*k+k-1 answer one prompt (``samples`` k,
-    ``sample_responses``' layout): one pass over the n = B / k prompts that keeps their keys and values.
-
-    Returns (cache, first): the ``KVCache`` of the n prompts (P positions filled) and the logits of each prompt's
-    last position, (n, 1, V), which predict the first response token. Raises ``ValueError`` when the rows of a group
-    do not share their prompt and its mask.
-    """
+def shared_prompts(sequences, attention_mask, prompt_len: int, samples: int):
+    """The prompts (n, P) of ``sequences`` (B, P+R) and their mask, where rows b*k .. b*k+k-1 answer one prompt
+    (``samples`` k, ``sample_responses``' layout). Raises ``ValueError`` when a group's rows do not share it."""
     B, P = sequences.shape[0], prompt_len
     prompts, mask = sequences[::samples, :P], attention_mask[::samples, :P]  # (n, P) each
     if B % samples or not (torch.equal(sequences[:, :P], prompts.repeat_interleave(samples, 0))
                            and torch.equal(attention_mask[:, :P], mask.repeat_interleave(samples, 0))):
         raise ValueError(f"rows b*{samples} .. b*{samples}+{samples - 1} must share a prompt (samples={samples}); "
                          f"these {B} rows do not")
-    cfg = getattr(model, "cfg", None)  # a model without one makes its own cache
-    cache = KVCache(cfg, len(prompts), sequences.shape[1]) if cfg is not None else None
-    out = model(prompts, attention_mask=mask, past_key_values=cache, use_cache=True, logits_to_keep=1)
-    return out["past_key_values"], out["logits"]  # (n, 1, V)
-
-
-def logits_after_prompts(model, prompts, rows, sequences, attention_mask, prompt_len: int, samples: int):
-    """``response_logits`` of the rows ``rows`` ((b,) indices) of ``sequences`` (b, P+r) and their ``attention_mask``
-    whose prompts were read already (``prompts``, from ``read_prompts``): only the response tokens go through the
-    model, attending to their prompt's cached keys and values. (b, r, V): the prompt's last logits, then those of
-    the response's first r - 1 tokens."""
-    cache, first = prompts
-    groups = torch.div(rows, samples, rounding_mode="floor")  # (b,) the prompt of each row
-    logits = first[groups]  # (b, 1, V)
-    if sequences.shape[1] > prompt_len + 1:  # the last response token predicts nothing that is measured
-        rest = model(sequences[:, prompt_len:-1], attention_mask=attention_mask[:, :-1],
-                     past_key_values=rows_of(cache, groups))["logits"]  # (b, r - 1, V)
-        logits = torch.cat([logits, rest], dim=1)
-    return logits
+    return prompts, mask
 
 
 @torch.no_grad()
@@ -186,15 +230,17 @@ def response_logprobs(model, sequences, attention_mask, response_mask, prompt_le
     lengths = response_mask.sum(dim=1)  # (B,)
     logprobs = torch.zeros(B, R, device=sequences.device)  # (B, R)
     entropies = torch.zeros(B, R, device=sequences.device) if entropy else None
+    read = None
     with counting_as("forward"):  # a scoring pass, although it reads a KV cache (flops.FlopCounter)
-        prompts = read_prompts(model, sequences, attention_mask, prompt_len, samples) if samples > 1 else None
+        if samples > 1:
+            read = read_prompts(model, *shared_prompts(sequences, attention_mask, prompt_len, samples))
         order = lengths.argsort()
         for start in range(0, B, MEASURE_ROWS):
             rows = order[start:start + MEASURE_ROWS]
             r = response_columns(response_mask[rows])
             ids, mask = sequences[rows, :prompt_len + r], attention_mask[rows, :prompt_len + r]  # (b, P + r) each
-            logits = (response_logits(model, ids, mask, prompt_len) if prompts is None else
-                      logits_after_prompts(model, prompts, rows, ids, mask, prompt_len, samples))  # (b, r, V)
+            logits = (response_logits(model, ids, mask, prompt_len) if read is None else
+                      logits_after_prompts(model, read, rows // samples, ids, mask, prompt_len))  # (b, r, V)
             logp = torch.log_softmax(logits.float(), dim=-1)  # (b, r, V)
             logprobs[rows, :r] = logp.gather(-1, ids[:, prompt_len:].unsqueeze(-1)).squeeze(-1)
             if entropy:
