@@ -132,8 +132,8 @@ class FlopCounter:
     * the kind of the outermost ``counting_as`` around the pass, whatever it is.
 
     What is counted is the model's work the call asks for: the real tokens of ``attention_mask`` (padding is not
-    counted), the head on the positions it keeps (``logits_to_keep``) or predicts (``labels`` other than -100),
-    attention over the cached keys too.
+    counted), the head on the real positions it keeps (``logits_to_keep``) or predicts (``labels`` other than
+    -100), attention over the cached keys too.
     The hook reads ``input_ids`` (first) and the options by keyword, as every caller in this project passes them.
     """
 
@@ -166,7 +166,12 @@ class FlopCounter:
         cache, keep = kwargs.get("past_key_values"), kwargs.get("logits_to_keep") or 0
         labels = kwargs.get("labels")  # the positions whose ids go through the head
         past = cache.length - tokens if cache is not None else 0  # the hook runs after the pass filled the cache
-        head = (int((labels != -100).sum()) / rows if labels is not None else min(keep, tokens) if keep else None)
+        if labels is not None:
+            head = int((labels != -100).sum()) / rows
+        elif keep:  # the kept positions, of which only the real ones count (an answer's padding after its end)
+            head = min(keep, tokens) if mask is None else int(mask[:, -min(keep, tokens):].sum()) / rows
+        else:
+            head = None
         trains = torch.is_grad_enabled() and any(isinstance(v, torch.Tensor) and v.requires_grad
                                                  for v in output.values())
         share = None

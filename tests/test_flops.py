@@ -102,7 +102,12 @@ def test_the_counter_adds_every_pass_by_kind():
     with torch.no_grad():
         policy(ids, logits_to_keep=3)  # the logits of the last 3 positions
         reward_model(ids)
-    assert counter.flops["forward"] == pass_flops(cfg, 2, 10, head_tokens=3) + pass_flops(cfg, 2, 10, lm_head=False)
+        ended = torch.ones(2, 10, dtype=torch.long)
+        ended[0, -2:] = 0  # the first row's answer ended 2 positions before the last: 1 + 3 of the 6 kept are real
+        policy(ids, attention_mask=ended, logits_to_keep=3)
+    by_hand = (pass_flops(cfg, 2, 10, head_tokens=3) + pass_flops(cfg, 2, 10, lm_head=False)
+               + pass_flops(cfg, 2, 10, head_tokens=4 / 2, attention_mask=ended))
+    assert counter.flops["forward"] == by_hand
     generate(policy, ids, 4, cfg.context_length, eos_id=None)  # a prefill, then 3 steps against 10, 11, 12 keys
     sampled = pass_flops(cfg, 2, 10, head_tokens=1) + sum(pass_flops(cfg, 2, 1, past) for past in (10, 11, 12))
     assert counter.flops["sample"] == sampled
