@@ -2,7 +2,7 @@
 each prompt read once.
 
     .venv/bin/python bench/bench_rollout.py --policy checkpoints/sft --prompts data/instructions/train.jsonl
-    .venv/bin/python bench/bench_rollout.py --prompts data/sentiment/train.jsonl --max_new_tokens 8
+    .venv/bin/python bench/bench_rollout.py --prompts data/sentiment/train.jsonl --max_new_tokens 8 --batch_size 64
 
 Samples one GRPO iteration's answers (``--prompts_count`` prompts x ``--group_size``, up to ``--max_new_tokens``
 tokens, bf16 autocast where the CPU has it, as the stages run), then times, on the same answers, in one process:
@@ -33,6 +33,7 @@ import torch
 from pipeline_malloc import run_under_pipeline_malloc  # bench/, this script's folder
 
 from chinese_tokenizer import load_tokenizer
+from gpt_fast import speed_up
 from plumbing.checkpoint import load_checkpoint
 from plumbing.cli import ArgumentParser, default_path, positive_int, run
 from plumbing.devices import native_bf16
@@ -78,6 +79,7 @@ def main(argv=None):
     tokenizer = load_tokenizer(default_path("data", "tokenizer"))
     policy = load_checkpoint(args.policy, tokenizer)[0].eval()
     ref = load_checkpoint(args.policy, tokenizer)[0].eval()
+    speed_up(policy, ref)  # their fast paths on, as the stages run them
     prompts = read_prompt_files([args.prompts], "--prompts")[:args.prompts_count]
     ctx, k = policy.cfg.context_length, args.group_size
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16)

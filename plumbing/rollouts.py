@@ -2,8 +2,11 @@
 measurement of answers (the held-out monitors, the verifiable tasks) does with them, written once.
 
 * log-probabilities: ``token_logprobs`` of given tokens, ``sequence_logprobs`` of a labelled response (DPO),
-  ``response_logits`` (the head on the response positions only), ``response_logprobs`` (a rollout's, measured in
-  groups of rows cut to their length), ``masked_mean``, ``entropy_from_logits``, ``kl_per_response``;
+  ``response_logits`` (the head on the response positions only; given ``prompt_of``, each prompt read once),
+  ``response_logprobs`` (a rollout's, measured in groups of rows cut to their length, each prompt read once),
+  ``masked_mean``, ``entropy_from_logits``, ``kl_per_response``;
+* a prompt read once for its answers: ``PromptCache`` (a KV cache that keeps gradients), ``read_prompts``,
+  ``logits_after_prompts``, ``shared_prompts``;
 * sampling: ``sample_responses`` (batched, left-padded prompts through the chat template and the KV-cached
   ``generate``, k answers to each prompt from one reading of it), ``response_mask_after``,
   ``response_token_lists``, ``rollout`` (the samples and their log-probabilities: everything an update needs
@@ -122,13 +125,16 @@ def response_logits(model, sequences, attention_mask, prompt_len: int, prompt_of
     if prompt_of is None:
         R = sequences.shape[1] - prompt_len
         return model(sequences, attention_mask=attention_mask, logits_to_keep=R + 1)["logits"][:, :-1]  # (B, R, V)
+    if prompt_of.shape != sequences.shape[:1]:
+        raise ValueError(f"prompt_of has shape {tuple(prompt_of.shape)}; give one prompt index per row, "
+                         f"({sequences.shape[0]},)")
     prompts, groups = prompt_of.unique(return_inverse=True)  # (n,) the distinct prompts; (B,) each row's
-    first_row = torch.zeros_like(prompts).scatter_(0, groups, torch.arange(len(groups), device=groups.device))
-    P, own = prompt_len, first_row[groups]  # (B,) a row of each row's prompt
+    prompt_row = torch.zeros_like(prompts).scatter_(0, groups, torch.arange(len(groups), device=groups.device))
+    P, own = prompt_len, prompt_row[groups]  # (n,) a row holding each prompt; (B,) that row for each row
     if not (torch.equal(sequences[:, :P], sequences[own, :P]) and torch.equal(attention_mask[:, :P],
                                                                              attention_mask[own, :P])):
         raise ValueError("rows with the same prompt_of must share their prompt and its mask; these do not")
-    read = read_prompts(model, sequences[first_row, :P], attention_mask[first_row, :P])
+    read = read_prompts(model, sequences[prompt_row, :P], attention_mask[prompt_row, :P])
     return logits_after_prompts(model, read, groups, sequences, attention_mask, prompt_len)  # (B, R, V)
 
 
@@ -153,9 +159,10 @@ class PromptCache:
 
     def rows(self, index) -> PromptCache:
         """A cache of the rows ``index`` (a (b,) LongTensor; a row may be taken more than once: several answers to
-        one prompt), this one unchanged. ``index_select``, not ``[index]``: its backward pass adds the answers'
-        gradients into their prompt's in a fixed order (``index_add_``), where the backward of indexing adds them
-        with atomic adds from several threads on a CPU, whose order, and so the last bits, vary from run to run."""
+        one prompt), this one unchanged. ``index_select``, not ``[index]``: on a CPU its backward pass
+        (``index_add_``) adds the answers' gradients into their prompt's in a fixed order, where the backward of
+        indexing adds them with atomic adds from several threads, whose order, and so the last bits, vary from run
+        to run."""
         return PromptCache({layer: k.index_select(0, index) for layer, k in self.keys.items()},
                            {layer: v.index_select(0, index) for layer, v in self.values.items()}, self.length)
 
@@ -226,6 +233,8 @@ def response_logprobs(model, sequences, attention_mask, response_mask, prompt_le
     reviews: about 50 tokens, then 3) that is most of the work. The same values up to rounding (the attention over
     cached keys is another kernel call): within about 1e-5, not bit for bit.
     """
+    if samples < 1:
+        raise ValueError(f"samples must be >= 1 (answers per prompt), got {samples}")
     B, R = response_mask.shape
     lengths = response_mask.sum(dim=1)  # (B,)
     logprobs = torch.zeros(B, R, device=sequences.device)  # (B, R)

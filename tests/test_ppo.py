@@ -200,6 +200,8 @@ def test_response_logprobs_reading_each_prompt_once_equal_the_full_width_pass(mo
     assert logprobs[real].lt(0).all()
     with pytest.raises(ValueError, match="must share a prompt"):  # rows of one group with different prompts
         rollouts.response_logprobs(policy, sequences.roll(1, dims=0), attention_mask, response_mask, P, samples=3)
+    with pytest.raises(ValueError, match="samples must be >= 1"):
+        rollouts.response_logprobs(policy, sequences, attention_mask, response_mask, P, samples=0)
 
 
 @pytest.mark.parametrize("fast", [False, True])
@@ -239,6 +241,8 @@ def test_response_logits_reading_each_prompt_once_give_the_full_pass_values_and_
     assert full_grads["trf_blocks.0.att.W_key.weight"].abs().sum() > 0  # the prompts' keys get their gradient
     with pytest.raises(ValueError, match="must share their prompt"):
         rollouts.response_logits(policy, sequences, attention_mask, P, prompt_of=torch.tensor([2, 0, 1, 1, 0]))
+    with pytest.raises(ValueError, match="one prompt index per row"):
+        rollouts.response_logits(policy, sequences, attention_mask, P, prompt_of=prompt_of[:4])
 
 
 def test_reading_each_prompt_once_gives_the_same_gradient_bit_for_bit_every_time():
