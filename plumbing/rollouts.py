@@ -5,8 +5,8 @@ measurement of answers (the held-out monitors, the verifiable tasks) does with t
   ``response_logits`` (the head on the response positions only; given ``prompt_of``, each prompt read once),
   ``response_logprobs`` (a rollout's, measured in groups of rows cut to their length, each prompt read once),
   ``masked_mean``, ``entropy_from_logits``, ``kl_per_response``;
-* a prompt read once for its answers: ``PromptCache`` (a KV cache that keeps gradients), ``read_prompts``,
-  ``logits_after_prompts``, ``shared_prompts``;
+* a prompt read once for its answers: ``PromptCache`` (a KV cache that keeps gradients), ``read_each_prompt``,
+  ``read_prompts``, ``logits_after_prompts``;
 * sampling: ``sample_responses`` (batched, left-padded prompts through the chat template and the KV-cached
   ``generate``, k answers to each prompt from one reading of it), ``response_mask_after``,
   ``response_token_lists``, ``rollout`` (the samples and their log-probabilities: everything an update needs
@@ -118,23 +118,14 @@ def response_logits(model, sequences, attention_mask, prompt_len: int, prompt_of
     of a small model), the last of them dropped: it would predict past the sequence.
 
     ``prompt_of`` (B,), given: rows with the same value answer the same prompt (GRPO's group of each row), and each
-    prompt is read once (``read_prompts``, ``logits_after_prompts``), with gradient when it is on: the answers'
+    prompt is read once (``read_each_prompt``, ``logits_after_prompts``), with gradient when it is on: the answers'
     positions attend to their prompt's keys and values, and their gradient flows back through them. The same
     logits up to rounding.
     """
     if prompt_of is None:
         R = sequences.shape[1] - prompt_len
         return model(sequences, attention_mask=attention_mask, logits_to_keep=R + 1)["logits"][:, :-1]  # (B, R, V)
-    if prompt_of.shape != sequences.shape[:1]:
-        raise ValueError(f"prompt_of has shape {tuple(prompt_of.shape)}; give one prompt index per row, "
-                         f"({sequences.shape[0]},)")
-    prompts, groups = prompt_of.unique(return_inverse=True)  # (n,) the distinct prompts; (B,) each row's
-    prompt_row = torch.zeros_like(prompts).scatter_(0, groups, torch.arange(len(groups), device=groups.device))
-    P, own = prompt_len, prompt_row[groups]  # (n,) a row holding each prompt; (B,) that row for each row
-    if not (torch.equal(sequences[:, :P], sequences[own, :P]) and torch.equal(attention_mask[:, :P],
-                                                                             attention_mask[own, :P])):
-        raise ValueError("rows with the same prompt_of must share their prompt and its mask; these do not")
-    read = read_prompts(model, sequences[prompt_row, :P], attention_mask[prompt_row, :P])
+    read, groups = read_each_prompt(model, sequences, attention_mask, prompt_len, prompt_of)
     return logits_after_prompts(model, read, groups, sequences, attention_mask, prompt_len)  # (B, R, V)
 
 
@@ -165,6 +156,24 @@ class PromptCache:
         to run."""
         return PromptCache({layer: k.index_select(0, index) for layer, k in self.keys.items()},
                            {layer: v.index_select(0, index) for layer, v in self.values.items()}, self.length)
+
+
+def read_each_prompt(model, sequences, attention_mask, prompt_len: int, prompt_of):
+    """Each distinct prompt of ``sequences`` (B, P+R) read once (``read_prompts``), where rows with the same
+    ``prompt_of`` (B,) answer the same prompt. Returns (read, groups): ``read_prompts``' result for the n distinct
+    prompts, and (B,) the index of each row's prompt there. Raises ``ValueError`` when ``prompt_of`` is not one value
+    per row, or when rows with the same value do not share their prompt and its mask."""
+    if prompt_of.shape != sequences.shape[:1]:
+        raise ValueError(f"prompt_of has shape {tuple(prompt_of.shape)}; give one prompt index per row, "
+                         f"({sequences.shape[0]},)")
+    prompts, groups = prompt_of.unique(return_inverse=True)  # (n,) the distinct prompts; (B,) each row's
+    prompt_row = torch.zeros_like(prompts).scatter_(0, groups, torch.arange(len(groups), device=groups.device))
+    P, own = prompt_len, prompt_row[groups]  # (n,) a row holding each prompt; (B,) that row for each row
+    if not (torch.equal(sequences[:, :P], sequences[own, :P]) and torch.equal(attention_mask[:, :P],
+                                                                             attention_mask[own, :P])):
+        raise ValueError("rows with the same prompt_of must share their prompt and its mask (with samples=k, each "
+                         "k rows in turn must share a prompt); these do not")
+    return read_prompts(model, sequences[prompt_row, :P], attention_mask[prompt_row, :P]), groups
 
 
 def read_prompts(model, prompts, attention_mask):
@@ -204,18 +213,6 @@ def response_columns(response_mask) -> int:
 MEASURE_ROWS = 32
 
 
-def shared_prompts(sequences, attention_mask, prompt_len: int, samples: int):
-    """The prompts (n, P) of ``sequences`` (B, P+R) and their mask, where rows b*k .. b*k+k-1 answer one prompt
-    (``samples`` k, ``sample_responses``' layout). Raises ``ValueError`` when a group's rows do not share it."""
-    B, P = sequences.shape[0], prompt_len
-    prompts, mask = sequences[::samples, :P], attention_mask[::samples, :P]  # (n, P) each
-    if B % samples or not (torch.equal(sequences[:, :P], prompts.repeat_interleave(samples, 0))
-                           and torch.equal(attention_mask[:, :P], mask.repeat_interleave(samples, 0))):
-        raise ValueError(f"rows b*{samples} .. b*{samples}+{samples - 1} must share a prompt (samples={samples}); "
-                         f"these {B} rows do not")
-    return prompts, mask
-
-
 @torch.no_grad()
 def response_logprobs(model, sequences, attention_mask, response_mask, prompt_len: int, entropy: bool = False,
                       samples: int = 1):
@@ -228,7 +225,7 @@ def response_logprobs(model, sequences, attention_mask, response_mask, prompt_le
     figures. Equal, at the real positions, to ``token_logprobs(response_logits(...))`` on the whole batch.
 
     With ``samples`` k > 1, rows b*k .. b*k+k-1 answer one prompt (``sample_responses``) and each prompt is read
-    once (``read_prompts``), as sampling read it: the groups then run their response tokens alone against the
+    once (``read_each_prompt``), as sampling read it: the groups then run their response tokens alone against the
     cached keys and values (``logits_after_prompts``). Where prompts are long and answers short (the sentiment
     reviews: about 50 tokens, then 3) that is most of the work. The same values up to rounding (the attention over
     cached keys is another kernel call): within about 1e-5, not bit for bit.
@@ -241,15 +238,16 @@ def response_logprobs(model, sequences, attention_mask, response_mask, prompt_le
     entropies = torch.zeros(B, R, device=sequences.device) if entropy else None
     read = None
     with counting_as("forward"):  # a scoring pass, although it reads a KV cache (flops.FlopCounter)
-        if samples > 1:
-            read = read_prompts(model, *shared_prompts(sequences, attention_mask, prompt_len, samples))
+        if samples > 1:  # rows b*k .. b*k+k-1 answer prompt b
+            prompt_of = torch.arange(B, device=sequences.device) // samples  # (B,)
+            read, groups = read_each_prompt(model, sequences, attention_mask, prompt_len, prompt_of)
         order = lengths.argsort()
         for start in range(0, B, MEASURE_ROWS):
             rows = order[start:start + MEASURE_ROWS]
             r = response_columns(response_mask[rows])
             ids, mask = sequences[rows, :prompt_len + r], attention_mask[rows, :prompt_len + r]  # (b, P + r) each
             logits = (response_logits(model, ids, mask, prompt_len) if read is None else
-                      logits_after_prompts(model, read, rows // samples, ids, mask, prompt_len))  # (b, r, V)
+                      logits_after_prompts(model, read, groups[rows], ids, mask, prompt_len))  # (b, r, V)
             logp = torch.log_softmax(logits.float(), dim=-1)  # (b, r, V)
             logprobs[rows, :r] = logp.gather(-1, ids[:, prompt_len:].unsqueeze(-1)).squeeze(-1)
             if entropy:
